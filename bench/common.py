@@ -1,0 +1,66 @@
+"""Shared bench helpers: machine/version metadata, JSON results, NVTX ranges."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except Exception:  # vLLM is optional for the allocator benchmarks
+        info["vllm"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    else:
+        info["gpu"] = None
+    return info
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv])
+
+
+def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"command": command_line(), "machine": machine_info(), **results}
+    out.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return out
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str) -> Iterator[None]:
+    """An NVTX range (Nsight, torch.profiler) when the nvtx package is importable."""
+    try:
+        import nvtx
+    except ImportError:  # pragma: no cover - nvtx is a declared dependency
+        yield
+        return
+    with nvtx.annotate(name, domain="dynoff"):
+        yield

@@ -1,6 +1,7 @@
 #include "arena.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <set>
 #include <sstream>
 #include <utility>
@@ -51,7 +52,12 @@ Arena::~Arena() {
 }
 
 template <typename Fn>
-void Arena::timed(Call call, Fn&& fn) {
+void Arena::timed(Call call, std::uintptr_t va, std::size_t bytes, Fn&& fn) {
+  static const char* names[] = {"map", "unmap", "set_access", "synchronize"};
+  if (trace_) {
+    std::fprintf(stderr, "[dynoff vmm] %s%s va=%#zx pages=%zu\n", rolling_back_ ? "rollback " : "",
+                 names[static_cast<int>(call)], static_cast<std::size_t>(va), bytes / page_size_);
+  }
   if (fail_after_ >= 0 && !rolling_back_) {
     if (fail_after_ == 0) {
       fail_after_ = -1;
@@ -288,7 +294,7 @@ std::uintptr_t Arena::slot_va(std::int64_t range, std::int64_t offset) const {
 }
 
 void Arena::map_slot(std::uintptr_t va, std::int64_t page) {
-  timed(Call::kMap, [&] { driver_->map(va, handle_of(page)); });
+  timed(Call::kMap, va, page_size_, [&] { driver_->map(va, handle_of(page)); });
 }
 
 void Arena::apply(const std::vector<MapOp>& ops, bool synchronize) {
@@ -296,7 +302,7 @@ void Arena::apply(const std::vector<MapOp>& ops, bool synchronize) {
   if (broken_) DYNOFF_FAIL("arena is unusable after a failed rollback");
   std::vector<Change> changes = validate(ops);
   if (changes.empty()) return;
-  if (synchronize) timed(Call::kSynchronize, [&] { driver_->synchronize(); });
+  if (synchronize) timed(Call::kSynchronize, 0, 0, [&] { driver_->synchronize(); });
   try {
     execute(changes);
   } catch (...) {
@@ -322,7 +328,8 @@ void Arena::execute(std::vector<Change>& changes) {
 void Arena::execute_run(std::vector<Change>& changes, std::size_t begin, std::size_t end) {
   // Every slot is always mapped (pool page or zero page), so a run is: unmap, map, set access.
   const std::uintptr_t va = slot_va(changes[begin].range, changes[begin].offset);
-  timed(Call::kUnmap, [&] { driver_->unmap(va, (end - begin) * page_size_); });
+  timed(Call::kUnmap, va, (end - begin) * page_size_,
+        [&] { driver_->unmap(va, (end - begin) * page_size_); });
   for (std::size_t i = begin; i < end; ++i) changes[i].stage = 1;
   for (std::size_t i = begin; i < end; ++i) {
     map_slot(va + (i - begin) * page_size_, changes[i].new_page);
@@ -340,9 +347,9 @@ void Arena::set_access_runs(std::vector<Change>& changes, std::size_t begin,
     const bool writable = changes[i].new_page != kZeroPage;
     std::size_t j = i + 1;
     while (j < end && (changes[j].new_page != kZeroPage) == writable) ++j;
-    timed(Call::kSetAccess, [&] {
-      driver_->set_access(va + (i - begin) * page_size_, (j - i) * page_size_, writable);
-    });
+    const std::uintptr_t at = va + (i - begin) * page_size_;
+    timed(Call::kSetAccess, at, (j - i) * page_size_,
+          [&] { driver_->set_access(at, (j - i) * page_size_, writable); });
     i = j;
   }
   for (std::size_t k = begin; k < end; ++k) changes[k].stage = 3;
@@ -356,9 +363,11 @@ void Arena::roll_back(std::vector<Change>& changes) noexcept {
     for (Change& c : changes) {
       if (c.stage == 0) continue;
       const std::uintptr_t va = slot_va(c.range, c.offset);
-      if (c.stage >= 2) timed(Call::kUnmap, [&] { driver_->unmap(va, page_size_); });
+      if (c.stage >= 2) {
+        timed(Call::kUnmap, va, page_size_, [&] { driver_->unmap(va, page_size_); });
+      }
       map_slot(va, c.old_page);
-      timed(Call::kSetAccess,
+      timed(Call::kSetAccess, va, page_size_,
             [&] { driver_->set_access(va, page_size_, c.old_page != kZeroPage); });
       c.stage = 0;
     }
@@ -380,7 +389,7 @@ void Arena::commit(const std::vector<Change>& changes) {
 
 void Arena::synchronize() {
   std::lock_guard<std::mutex> lock(mu_);
-  timed(Call::kSynchronize, [&] { driver_->synchronize(); });
+  timed(Call::kSynchronize, 0, 0, [&] { driver_->synchronize(); });
 }
 
 CallStats Arena::stats() const {

@@ -64,6 +64,8 @@ class Arena {
   std::size_t page_size() const { return page_size_; }
   bool coalesce() const { return coalesce_; }
   void set_coalesce(bool on) { coalesce_ = on; }
+  bool trace() const { return trace_; }
+  void set_trace(bool on) { trace_ = on; }  // log every driver call to stderr
 
   // Physical pages.
   void create_pages(std::size_t count);
@@ -121,7 +123,7 @@ class Arena {
   void set_access_runs(std::vector<Change>& changes, std::size_t begin, std::size_t end);
 
   template <typename Fn>
-  void timed(Call call, Fn&& fn);
+  void timed(Call call, std::uintptr_t va, std::size_t bytes, Fn&& fn);
 
   std::unique_ptr<Driver> driver_;
   std::size_t page_size_;
@@ -136,6 +138,7 @@ class Arena {
   std::int64_t fail_after_ = -1;
   bool rolling_back_ = false;
   bool broken_ = false;
+  bool trace_ = false;
 };
 
 }  // namespace dynoff

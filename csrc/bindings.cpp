@@ -64,8 +64,24 @@ py::dict stats_dict(const dynoff::CallStats& s) {
 PYBIND11_MODULE(_vmm, m) {
   m.doc() = "VMM arena: physical pages, reserved ranges, transactional remapping (cuda | host).";
   m.attr("ZERO_PAGE") = dynoff::kZeroPage;
-  py::register_exception<dynoff::DriverError>(m, "VmmDriverError", PyExc_RuntimeError);
-  py::register_exception<dynoff::PoolExhausted>(m, "PagePoolExhausted", PyExc_MemoryError);
+  // HACK(pybind11-3.1 register_exception): its once-per-interpreter exception storage crashed
+  // (SIGSEGV on the first throw) under the GPU image's Python 3.12; plain module-owned
+  // exception types and one translator avoid that storage.
+  static PyObject* driver_error =
+      PyErr_NewException("dynoff.allocator._vmm.VmmDriverError", PyExc_RuntimeError, nullptr);
+  static PyObject* pool_exhausted =
+      PyErr_NewException("dynoff.allocator._vmm.PagePoolExhausted", PyExc_MemoryError, nullptr);
+  m.attr("VmmDriverError") = py::handle(driver_error);
+  m.attr("PagePoolExhausted") = py::handle(pool_exhausted);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const dynoff::DriverError& e) {
+      PyErr_SetString(driver_error, e.what());
+    } catch (const dynoff::PoolExhausted& e) {
+      PyErr_SetString(pool_exhausted, e.what());
+    }
+  });
 
   py::class_<RangeHandle, std::shared_ptr<RangeHandle>>(m, "Range", py::buffer_protocol())
       .def_property_readonly("id", &RangeHandle::id)
@@ -89,6 +105,7 @@ PYBIND11_MODULE(_vmm, m) {
       .def_property_readonly("device", [](const Arena& a) { return a.driver().device(); })
       .def_property_readonly("page_size", &Arena::page_size)
       .def_property("coalesce", &Arena::coalesce, &Arena::set_coalesce)
+      .def_property("trace", &Arena::trace, &Arena::set_trace)
       .def("create_pages", &Arena::create_pages, py::arg("count"),
            py::call_guard<py::gil_scoped_release>())
       .def("trim_pages", &Arena::trim_pages, py::arg("count"))

@@ -13,3 +13,4 @@ compute-sanitizer --tool memcheck --target-processes all \
   python3 -m pytest -m gpu tests/allocator -q -p no:cacheprovider -k "not zero_page" \
   2>&1 | tail -25 | tee "$OUT/sanitizer.log"
 python3 -m bench.vmm_bench --out "$OUT/vmm_h200.json" 2>&1 | tee "$OUT/bench.log"
+python3 -m bench.vmm_handle_size --out "$OUT/vmm_handle_size_h200.json" 2>&1 | tee -a "$OUT/bench.log"

@@ -3,15 +3,14 @@
 #include <algorithm>
 #include <cstdio>
 #include <set>
-#include <sstream>
 #include <utility>
 
 namespace dynoff {
 
 void throw_driver_error(const std::string& what, const char* file, int line) {
-  std::ostringstream os;
-  os << what << " [" << file << ":" << line << "]";
-  throw DriverError(os.str());
+  // No iostreams here: the GPU image's build links libstdc++ statically into the extension,
+  // and its ostream crashed there on first use (std::codecvt, seen under cuda-gdb).
+  throw DriverError(what + " [" + file + ":" + std::to_string(line) + "]");
 }
 
 namespace {

@@ -1,0 +1,354 @@
+"""Elastic KV block pool: grows and shrinks vLLM's BlockPool in whole page-aligned groups.
+
+vLLM's ``BlockPool`` is built for the *largest* capacity any level reaches (``num_blocks``);
+this class keeps the blocks of groups that are not backed by memory out of circulation, so
+the scheduler only ever hands out mapped blocks. It keeps BlockPool's own invariants:
+``blocks[i].block_id == i``, block 0 is the null block, the free queue is vLLM's intrusive
+list (O(1) ``remove``/``prepend_n``), cached free blocks leave the prefix map before they
+leave the pool, and ``num_gpu_blocks`` counts the blocks in circulation so
+``get_usage()`` reports utilisation of the *active* capacity.
+
+A *group* is a run of ``group_blocks`` consecutive block ids that together fill whole pages
+in every KV tensor: with a per-block stride of ``b`` bytes in a tensor and pages of ``P``
+bytes, ``group_blocks = lcm over tensors of P / gcd(P, b)``. Group g covers blocks
+``[g·G, (g+1)·G)`` and, in a tensor of stride b, bytes ``[g·G·b, (g+1)·G·b)``.
+
+Group life cycle::
+
+    RETIRED --begin_grow--> MAPPING --commit_grow--> ACTIVE
+    ACTIVE --begin_shrink--> DRAINING --(all blocks free)--> RECLAIMED --take_ready-->
+    UNMAPPING --commit_shrink--> RETIRED          (abort_drain / abort_shrink: back to ACTIVE)
+
+Nothing here waits: a shrink that cannot complete at once drains as requests finish, and
+is aborted (its blocks spliced back) if the free list runs dry meanwhile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Iterable, Sequence
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+PAGE_SIZE = 2 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """How blocks sit in the KV tensors.
+
+    Attributes:
+        num_blocks: blocks the BlockPool holds (capacity at the highest level).
+        block_bytes: bytes one block occupies in each KV tensor (its stride there).
+        page_size: VMM page size in bytes.
+    """
+
+    num_blocks: int
+    block_bytes: tuple[int, ...]
+    page_size: int = PAGE_SIZE
+
+    def __post_init__(self) -> None:
+        if not self.block_bytes or min(self.block_bytes) <= 0:
+            raise ValueError("block_bytes needs one positive stride per KV tensor")
+
+    @property
+    def group_blocks(self) -> int:
+        return math.lcm(*(self.page_size // math.gcd(self.page_size, b) for b in self.block_bytes))
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_blocks // self.group_blocks
+
+    @property
+    def pages_per_group(self) -> int:
+        return sum(self.group_blocks * b // self.page_size for b in self.block_bytes)
+
+    def blocks_of(self, group: int) -> range:
+        g = self.group_blocks
+        return range(group * g, (group + 1) * g)
+
+    def page_span(self, group: int, tensor: int) -> range:
+        """Pages of KV tensor ``tensor`` that group ``group`` occupies."""
+        per = self.group_blocks * self.block_bytes[tensor] // self.page_size
+        return range(group * per, (group + 1) * per)
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPlan:
+    """Groups per level: ``base_groups`` at k = 0 plus ``tier_groups`` per level."""
+
+    group_blocks: int
+    base_groups: int
+    tier_groups: int
+    max_level: int
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.base_groups + self.max_level * self.tier_groups) * self.group_blocks
+
+    def groups_at(self, level: int) -> int:
+        return self.base_groups + level * self.tier_groups
+
+    def capacity_blocks(self, level: int) -> int:
+        """C_k: blocks at level k, the null block included."""
+        return self.groups_at(level) * self.group_blocks
+
+
+def plan_capacity(
+    block_bytes: Sequence[int],
+    base_blocks: int,
+    layer_bytes: int,
+    max_level: int,
+    page_size: int = PAGE_SIZE,
+) -> CapacityPlan:
+    """Tiers for a model: each level frees one layer's pages, rounded down to whole groups."""
+    probe = KVLayout(num_blocks=0, block_bytes=tuple(block_bytes), page_size=page_size)
+    layer_pages = -(-layer_bytes // page_size)
+    tier_groups = layer_pages // probe.pages_per_group
+    base_groups = base_blocks // probe.group_blocks
+    if base_groups < 1:
+        raise ValueError(
+            f"{base_blocks} KV blocks at level 0 do not fill one group of "
+            f"{probe.group_blocks} blocks; give the KV cache more memory"
+        )
+    if max_level > 0 and tier_groups < 1:
+        raise ValueError(
+            f"one layer ({layer_pages} pages) frees less than one KV group "
+            f"({probe.pages_per_group} pages): offloading would not grow the KV cache"
+        )
+    return CapacityPlan(probe.group_blocks, base_groups, tier_groups, max_level)
+
+
+class GroupState(enum.Enum):
+    ACTIVE = "active"
+    RETIRED = "retired"
+    MAPPING = "mapping"
+    DRAINING = "draining"
+    RECLAIMED = "reclaimed"
+    UNMAPPING = "unmapping"
+
+
+@dataclasses.dataclass
+class _Drain:
+    targets: tuple[int, ...]
+    started_step: int
+    ready_step: int | None = None
+
+
+class ElasticBlockPool:
+    """Grows and shrinks a live vLLM ``BlockPool`` by whole groups (see the module doc)."""
+
+    def __init__(
+        self, pool: BlockPool, layout: KVLayout, active_groups: int, drain_lag_steps: int = 2
+    ) -> None:
+        if layout.num_blocks != pool.num_gpu_blocks:
+            raise ValueError(
+                f"layout has {layout.num_blocks} blocks, the BlockPool {pool.num_gpu_blocks}"
+            )
+        if not 1 <= active_groups <= layout.num_groups:
+            raise ValueError(f"active_groups={active_groups} outside [1, {layout.num_groups}]")
+        self.pool = pool
+        self.layout = layout
+        self.drain_lag_steps = drain_lag_steps
+        self.states = [GroupState.ACTIVE] * active_groups + [GroupState.RETIRED] * (
+            layout.num_groups - active_groups
+        )
+        self._out: set[int] = set()  # block ids out of circulation
+        self._drain: _Drain | None = None
+        # Blocks past the last whole group can never be backed: keep them out for good.
+        tail = range(layout.num_groups * layout.group_blocks, layout.num_blocks)
+        self._take_out(tail)
+        for group in range(active_groups, layout.num_groups):
+            self._take_out(layout.blocks_of(group))
+        self._sync_capacity()
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return self._drain is not None
+
+    @property
+    def drain_targets(self) -> tuple[int, ...]:
+        return self._drain.targets if self._drain else ()
+
+    def groups_in(self, *states: GroupState) -> list[int]:
+        return [g for g, s in enumerate(self.states) if s in states]
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Blocks in circulation (allocated or free), the null block included."""
+        return self.pool.num_gpu_blocks
+
+    def _in_free_queue(self, block: KVCacheBlock) -> bool:
+        return block.prev_free_block is not None
+
+    def _group_free(self, group: int) -> bool:
+        return all(self._in_free_queue(self.pool.blocks[b]) for b in self.layout.blocks_of(group))
+
+    # -- growing ------------------------------------------------------------------------------
+    def begin_grow(self, num_groups: int) -> tuple[int, ...]:
+        """Pick ``num_groups`` retired groups to back with memory (lowest ids first)."""
+        retired = self.groups_in(GroupState.RETIRED)
+        if num_groups > len(retired):
+            raise ValueError(f"cannot grow by {num_groups} groups: {len(retired)} retired")
+        chosen = tuple(retired[:num_groups])
+        for g in chosen:
+            self.states[g] = GroupState.MAPPING
+        return chosen
+
+    def commit_grow(self, groups: Iterable[int]) -> None:
+        """The workers mapped ``groups``: their blocks become allocatable."""
+        for g in self._expect(groups, GroupState.MAPPING):
+            self.states[g] = GroupState.ACTIVE
+            self._put_back(self.layout.blocks_of(g))
+        self._sync_capacity()
+
+    def abort_grow(self, groups: Iterable[int]) -> None:
+        """The workers failed to map ``groups``: they stay retired."""
+        for g in self._expect(groups, GroupState.MAPPING):
+            self.states[g] = GroupState.RETIRED
+
+    # -- shrinking ----------------------------------------------------------------------------
+    def begin_shrink(self, num_groups: int, step: int) -> tuple[int, ...]:
+        """Start reclaiming ``num_groups`` active groups; returns the targets.
+
+        Wholly free groups are taken first; the rest drain as their blocks are freed.
+        """
+        if self._drain is not None:
+            raise RuntimeError("a shrink is already in progress")
+        null_group = 0  # holds block 0, the null block: never reclaimed
+        candidates = [g for g in self.groups_in(GroupState.ACTIVE) if g != null_group]
+        if num_groups > len(candidates):
+            raise ValueError(f"cannot shrink by {num_groups} groups: {len(candidates)} active")
+        free = [g for g in reversed(candidates) if self._group_free(g)]
+        targets = free[:num_groups]
+        if len(targets) < num_groups:
+            rest = [g for g in candidates if g not in targets]
+            rest.sort(key=lambda g: (-self._free_count(g), -g))
+            targets += rest[: num_groups - len(targets)]
+        for g in targets:
+            self.states[g] = GroupState.DRAINING
+        self._drain = _Drain(tuple(sorted(targets)), started_step=step)
+        self.poll(step)
+        return self._drain.targets if self._drain else tuple(sorted(targets))
+
+    def _free_count(self, group: int) -> int:
+        return sum(self._in_free_queue(self.pool.blocks[b]) for b in self.layout.blocks_of(group))
+
+    def poll(self, step: int) -> None:
+        """Move newly freed blocks of draining groups out; note when the drain completes."""
+        drain = self._drain
+        if drain is None or drain.ready_step is not None:
+            return
+        for g in drain.targets:
+            freed = [
+                b for b in self.layout.blocks_of(g) if self._in_free_queue(self.pool.blocks[b])
+            ]
+            self._take_out(freed)
+        self._sync_capacity()
+        if all(b in self._out for g in drain.targets for b in self.layout.blocks_of(g)):
+            for g in drain.targets:
+                self.states[g] = GroupState.RECLAIMED
+            drain.ready_step = step + self.drain_lag_steps
+
+    def should_abort(self) -> bool:
+        """Drain in progress and the main free list ran dry: give the blocks back."""
+        return self._drain is not None and self.pool.get_num_free_blocks() == 0
+
+    def abort_drain(self) -> tuple[int, ...]:
+        """Splice every reclaimed block back into the free list; targets become active."""
+        drain, self._drain = self._drain, None
+        if drain is None:
+            return ()
+        for g in drain.targets:
+            self.states[g] = GroupState.ACTIVE
+            self._put_back([b for b in self.layout.blocks_of(g) if b in self._out])
+        self._sync_capacity()
+        return drain.targets
+
+    def take_ready(self, step: int) -> tuple[int, ...]:
+        """Groups drained at least ``drain_lag_steps`` ago, now safe to unmap (else ())."""
+        drain = self._drain
+        if drain is None or drain.ready_step is None or step < drain.ready_step:
+            return ()
+        self._drain = None
+        for g in drain.targets:
+            self.states[g] = GroupState.UNMAPPING
+        return drain.targets
+
+    def commit_shrink(self, groups: Iterable[int]) -> None:
+        for g in self._expect(groups, GroupState.UNMAPPING):
+            self.states[g] = GroupState.RETIRED
+
+    def abort_shrink(self, groups: Iterable[int]) -> None:
+        """The workers failed to unmap: the groups serve again."""
+        for g in self._expect(groups, GroupState.UNMAPPING):
+            self.states[g] = GroupState.ACTIVE
+            self._put_back(self.layout.blocks_of(g))
+        self._sync_capacity()
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _expect(self, groups: Iterable[int], state: GroupState) -> list[int]:
+        groups = list(groups)
+        wrong = [g for g in groups if self.states[g] is not state]
+        if wrong:
+            raise ValueError(f"groups {wrong} are not {state.value}")
+        return groups
+
+    def _take_out(self, block_ids: Iterable[int]) -> None:
+        ids = [b for b in block_ids if b not in self._out]
+        if not ids:
+            return
+        self.pool.evict_blocks(set(ids))  # drop prefix-cache hashes before they leave
+        for b in ids:
+            block = self.pool.blocks[b]
+            if self._in_free_queue(block):
+                self.pool.free_block_queue.remove(block)
+            self._out.add(b)
+
+    def _put_back(self, block_ids: Iterable[int]) -> None:
+        blocks = [self.pool.blocks[b] for b in block_ids if b in self._out]
+        for block in blocks:
+            self._out.discard(block.block_id)
+        self.pool.free_block_queue.prepend_n(blocks)
+
+    def _sync_capacity(self) -> None:
+        self.pool.num_gpu_blocks = self.layout.num_blocks - len(self._out)
+
+    def invariant_violations(self) -> list[str]:
+        """Every broken invariant, described (empty when the pool is sound)."""
+        pool, problems = self.pool, []
+        free = pool.free_block_queue.get_all_free_blocks()
+        free_ids = {b.block_id for b in free}
+        if len(free) != pool.free_block_queue.num_free_blocks:
+            problems.append("free count does not match the free list")
+        if any(pool.blocks[b].ref_cnt > 0 for b in free_ids):
+            problems.append("a block is both free and allocated")
+        if free_ids & self._out:
+            problems.append("a block out of circulation is on the free list")
+        for g, state in enumerate(self.states):
+            if state in (GroupState.RETIRED, GroupState.MAPPING, GroupState.RECLAIMED,
+                         GroupState.UNMAPPING):
+                if any(pool.blocks[b].ref_cnt for b in self.layout.blocks_of(g)):
+                    problems.append(f"group {g} ({state.value}) has an allocated block")
+        for block in _prefix_cached_blocks(pool):
+            if block.block_id in self._out:
+                problems.append(f"prefix map points at block {block.block_id}, out of the pool")
+        null = pool.blocks[0]
+        if not null.is_null or pool.null_block is not null or self._in_free_queue(null):
+            problems.append("the null block is not intact")
+        if pool.num_gpu_blocks != self.layout.num_blocks - len(self._out):
+            problems.append("num_gpu_blocks does not count the blocks in circulation")
+        return problems
+
+
+def _prefix_cached_blocks(pool: BlockPool) -> list[KVCacheBlock]:
+    """Every block the prefix-cache map points at. Reads ``BlockHashToBlockMap._cache``
+    (vLLM 0.26: values are a block or a {block_id: block} dict); invariant checks only."""
+    out: list[KVCacheBlock] = []
+    for value in pool.cached_block_hash_to_block._cache.values():
+        out.extend(value.values() if isinstance(value, dict) else [value])
+    return out

@@ -1,0 +1,89 @@
+"""Policy configuration: one frozen dataclass, validated when built."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Estimator = Literal["measured", "model"]
+Proxy = Literal["decode", "model"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    """Parameters of Algorithm 1 and its estimators.
+
+    Attributes:
+        high_threshold: τ_h. KV utilisation above it (or any waiting request) is high pressure.
+        low_threshold: τ_l. No waiting request and utilisation below it is low pressure.
+        cooldown_steps: C. Steps after a level change during which no decision is taken.
+        max_level: M. Highest offload depth; ``None`` means ⌊N/2⌋ (checked by ``validate``).
+        warmup: start at M and step down one level at a time, measuring each level.
+        warmup_samples: decode-only steps averaged at each level during warm-up.
+        estimator: where L_k comes from: ``"measured"`` (the seed's per-level averages) or
+            ``"model"`` (the link-aware latency model, refined by measurements).
+        proxy: ``"decode"`` (the seed's C_k / L_k on decode-only steps) or ``"model"``
+            (C_k / L_k for the current step's mix of decode and prefill tokens).
+        min_samples: measured steps at a level before its average replaces the model.
+        drain_lag_steps: steps a fully drained group waits before it may be unmapped
+            (async scheduling: a block freed at step N may be written by step N+1).
+    """
+
+    high_threshold: float = 0.90
+    low_threshold: float = 0.50
+    cooldown_steps: int = 50
+    max_level: int | None = None
+    warmup: bool = False
+    warmup_samples: int = 3
+    estimator: Estimator = "measured"
+    proxy: Proxy = "decode"
+    min_samples: int = 3
+    drain_lag_steps: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("high_threshold", "low_threshold"):
+            value = getattr(self, name)
+            if not 0.0 < value < 1.0:
+                raise ValueError(f"{name}={value} must lie in (0, 1); e.g. 0.9 and 0.5")
+        if self.low_threshold >= self.high_threshold:
+            raise ValueError(
+                f"low_threshold={self.low_threshold} must be below "
+                f"high_threshold={self.high_threshold}, or the policy would oscillate"
+            )
+        if self.cooldown_steps < 0:
+            raise ValueError(f"cooldown_steps={self.cooldown_steps} must be >= 0")
+        if self.max_level is not None and self.max_level < 0:
+            raise ValueError(f"max_level={self.max_level} must be >= 0 (or None for N/2)")
+        for name in ("warmup_samples", "min_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.drain_lag_steps < 0:
+            raise ValueError(f"drain_lag_steps={self.drain_lag_steps} must be >= 0")
+        if self.estimator not in ("measured", "model"):
+            raise ValueError(f"estimator={self.estimator!r}: use 'measured' or 'model'")
+        if self.proxy not in ("decode", "model"):
+            raise ValueError(f"proxy={self.proxy!r}: use 'decode' or 'model'")
+
+    def resolve_max_level(
+        self, num_layers: int, layer_bytes: int, pinned_bytes_available: int
+    ) -> int:
+        """The max level for a model of ``num_layers`` equal layers, checked against ⌊N/2⌋
+        and pinned host memory (each level pins two layers: the pair sharing one region)."""
+        if num_layers < 2:
+            raise ValueError(f"dynamic offloading needs at least 2 decoder layers, got {num_layers}")
+        ceiling = num_layers // 2
+        level = ceiling if self.max_level is None else self.max_level
+        if level > ceiling:
+            raise ValueError(
+                f"max_level={level} exceeds N/2={ceiling} for a {num_layers}-layer model; "
+                f"set max_level <= {ceiling}"
+            )
+        per_level = 2 * layer_bytes
+        if per_level > 0 and level * per_level > pinned_bytes_available:
+            fits = pinned_bytes_available // per_level
+            raise ValueError(
+                f"max_level={level} needs {level * per_level / 2**30:.1f} GiB of pinned host "
+                f"memory ({2} layers of {layer_bytes / 2**30:.2f} GiB per level) but only "
+                f"{pinned_bytes_available / 2**30:.1f} GiB is available; set max_level <= {fits}"
+            )
+        return level

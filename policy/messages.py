@@ -1,0 +1,73 @@
+"""Messages between the scheduler (policy, block pool) and the workers.
+
+Scheduler -> worker: an :class:`OffloadCommand` rides on ``SchedulerOutput`` (attribute
+``dynamic_offload``), so every rank gets it, in order, before that step's forward.
+Worker -> scheduler: a :class:`StepReport` rides on ``ModelRunnerOutput`` (attribute
+``dynamic_offload``) from rank 0, which gathers every rank's resize outcome first.
+All fields are plain ints, floats, strings and tuples, so the messages pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+SCHEDULER_OUTPUT_ATTR = "dynamic_offload"
+RUNNER_OUTPUT_ATTR = "dynamic_offload"
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadCommand:
+    """Change the offload level and the KV groups backed by memory, before this step runs.
+
+    Attributes:
+        command_id: increasing id; the worker acknowledges it in a :class:`StepReport`.
+        step: scheduler step the command was attached to.
+        target_level: offload depth k the worker runs at from this step on.
+        map_groups: KV groups to back with pages freed by raising the level (grow).
+        unmap_groups: KV groups whose pages go back to weights (shrink); all their blocks are
+            out of the pool and no step after ``safe_after_step`` touches them.
+        safe_after_step: the worker must wait for this step's GPU work before unmapping.
+    """
+
+    command_id: int
+    step: int
+    target_level: int
+    map_groups: tuple[int, ...] = ()
+    unmap_groups: tuple[int, ...] = ()
+    safe_after_step: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizeOutcome:
+    """One rank's result of applying a command."""
+
+    command_id: int
+    rank: int
+    ok: bool
+    error: str = ""
+    remap_ms: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What the worker measured for one step, plus resize outcomes since the last report.
+
+    Attributes:
+        step: scheduler step this forward belonged to.
+        level: the offload depth the forward ran at.
+        forward_ms: forward time (CUDA events on GPU, host timer on CPU).
+        decode_only: no prefill token in the step (the policy's latency filter).
+        num_decode_tokens / num_prefill_tokens: the step's composition.
+        outcomes: resize results, one per rank per command applied.
+    """
+
+    step: int
+    level: int
+    forward_ms: float
+    decode_only: bool
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+    outcomes: tuple[ResizeOutcome, ...] = ()
+
+    def failed(self, command_id: int) -> list[ResizeOutcome]:
+        return [o for o in self.outcomes if o.command_id == command_id and not o.ok]

@@ -1,0 +1,193 @@
+"""The elastic block pool on real vLLM BlockPool / KVCacheManager objects.
+
+A hypothesis state machine drives random allocations (with prefix-cache hits), frees,
+grows, shrinks, drains and aborts, and after every operation checks: no block is both free
+and allocated; free counts match the lists; the prefix map points only at live or free
+blocks; no block of a retired group is ever handed out; the null block is intact; and the
+utilisation vLLM reports counts only the active capacity.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from dynoff.policy.block_pool import (
+    ElasticBlockPool,
+    GroupState,
+    KVLayout,
+    plan_capacity,
+)
+from tests.policy.kv_fixtures import BLOCK_SIZE, SPEC, make_manager, make_request
+
+PAGE = 64 << 10  # small pages keep groups small: 8 KiB blocks -> 8 blocks per group
+GROUPS = 6
+
+
+def layout(num_blocks: int) -> KVLayout:
+    return KVLayout(num_blocks, (SPEC.page_size_bytes,) * 4, PAGE)
+
+
+def test_group_geometry_matches_the_layout() -> None:
+    real = KVLayout(1024, (SPEC.page_size_bytes,) * 4)  # 2 MiB pages
+    assert real.group_blocks == 256
+    assert real.pages_per_group == 4
+    assert list(real.page_span(2, 3)) == [2]
+    odd = KVLayout(100, (3 << 19,), PAGE * 32)  # 1.5 MiB blocks on 2 MiB pages: 4 per group
+    assert odd.group_blocks == 4
+    plan = plan_capacity([SPEC.page_size_bytes] * 4, base_blocks=600, layer_bytes=9 << 20,
+                         max_level=2)
+    assert (plan.group_blocks, plan.base_groups, plan.tier_groups) == (256, 2, 1)
+    assert plan.capacity_blocks(2) == plan.num_blocks == 1024
+
+
+def test_refuses_a_layer_that_frees_less_than_a_group() -> None:
+    with pytest.raises(ValueError, match="frees less than one KV group"):
+        plan_capacity([SPEC.page_size_bytes] * 4, base_blocks=600, layer_bytes=1 << 20,
+                      max_level=2)
+    with pytest.raises(ValueError, match="do not fill one group"):
+        plan_capacity([SPEC.page_size_bytes] * 4, base_blocks=10, layer_bytes=9 << 20,
+                      max_level=2)
+
+
+def test_shrink_takes_free_groups_at_once_and_drains_the_rest() -> None:
+    manager = make_manager(8 * GROUPS)
+    elastic = ElasticBlockPool(manager.block_pool, layout(8 * GROUPS), active_groups=4,
+                               drain_lag_steps=2)
+    assert manager.block_pool.num_gpu_blocks == 32
+    request = make_request(list(range(20 * BLOCK_SIZE)))  # 20 blocks: groups 0..2
+    assert manager.allocate_slots(request, 20 * BLOCK_SIZE) is not None
+    held = set(manager.get_block_ids(request.request_id)[0])
+    assert held == set(range(1, 21))
+    # Two groups wanted; only group 3 is wholly free, so group 2 (most free blocks) drains.
+    targets = elastic.begin_shrink(2, step=10)
+    assert targets == (2, 3)
+    assert elastic.draining and elastic.take_ready(step=99) == ()
+    # Group 3 (blocks 24..31) left at once; group 2's free blocks 21..23 already left too;
+    # 16..20 are held. 32 blocks - null - 20 held - 3 - 8 = 0 free.
+    assert manager.block_pool.get_num_free_blocks() == 0
+    assert manager.block_pool.num_gpu_blocks == 32 - 3 - 8
+    manager.free(request)
+    elastic.poll(step=11)
+    assert elastic.take_ready(step=12) == ()  # the lag: step 12 may still write them
+    assert elastic.take_ready(step=13) == (2, 3)
+    elastic.commit_shrink((2, 3))
+    assert manager.block_pool.num_gpu_blocks == 16
+    assert elastic.invariant_violations() == []
+
+
+def test_abort_splices_reclaimed_blocks_back() -> None:
+    manager = make_manager(8 * GROUPS)
+    elastic = ElasticBlockPool(manager.block_pool, layout(8 * GROUPS), active_groups=3)
+    request = make_request(list(range(12 * BLOCK_SIZE)))
+    manager.allocate_slots(request, 12 * BLOCK_SIZE)  # blocks 1..12: groups 0 and 1
+    elastic.begin_shrink(1, step=0)  # group 2 is free and goes at once
+    assert elastic.groups_in(GroupState.RECLAIMED) == [2]
+    other = make_request(list(range(1000, 1000 + 3 * BLOCK_SIZE)))
+    assert manager.allocate_slots(other, 3 * BLOCK_SIZE) is not None  # uses the last 3 free
+    assert elastic.should_abort()
+    assert elastic.abort_drain() == (2,)
+    assert manager.block_pool.get_num_free_blocks() == 8
+    assert elastic.invariant_violations() == []
+
+
+class ElasticPoolMachine(RuleBasedStateMachine):
+    """Random traffic and resizes against the real KVCacheManager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        num_blocks = 8 * GROUPS
+        self.manager = make_manager(num_blocks)
+        self.elastic = ElasticBlockPool(self.manager.block_pool, layout(num_blocks),
+                                        active_groups=3, drain_lag_steps=1)
+        self.live: list = []
+        self.step = 0
+        self.handed_out: set[int] = set()
+
+    @rule(prefix=st.integers(0, 3), blocks=st.integers(1, 6), extra=st.integers(0, 15))
+    def allocate(self, prefix: int, blocks: int, extra: int) -> None:
+        # Shared prefixes (prefix * 1000) make prefix-cache hits likely.
+        tokens = [prefix * 1000 + i for i in range(blocks * BLOCK_SIZE)] + list(range(extra))
+        request = make_request(tokens)
+        computed, num_computed, _ = self.manager.get_computed_blocks(request)
+        new = self.manager.allocate_slots(request, len(tokens) - num_computed, num_computed,
+                                          computed)
+        if new is None:
+            return
+        self.live.append(request)
+        self.handed_out.update(self.manager.get_block_ids(request.request_id)[0])
+
+    @rule()
+    def flood(self) -> None:
+        """Allocate until the pool is full: drives drains into their abort path."""
+        for _ in range(64):
+            before = len(self.live)
+            self.allocate(prefix=0, blocks=2, extra=len(self.live) + 1)
+            if len(self.live) == before:
+                return
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100))
+    def free(self, index: int) -> None:
+        self.manager.free(self.live.pop(index % len(self.live)))
+
+    @rule(groups=st.integers(1, 2))
+    def grow(self, groups: int) -> None:
+        if len(self.elastic.groups_in(GroupState.RETIRED)) >= groups:
+            chosen = self.elastic.begin_grow(groups)
+            self.elastic.commit_grow(chosen)
+
+    @rule(groups=st.integers(1, 2))
+    def grow_fails(self, groups: int) -> None:
+        if len(self.elastic.groups_in(GroupState.RETIRED)) >= groups:
+            self.elastic.abort_grow(self.elastic.begin_grow(groups))
+
+    @precondition(lambda self: not self.elastic.draining)
+    @rule(groups=st.integers(1, 2))
+    def shrink(self, groups: int) -> None:
+        active = [g for g in self.elastic.groups_in(GroupState.ACTIVE) if g != 0]
+        if len(active) >= groups:
+            self.elastic.begin_shrink(groups, self.step)
+
+    @rule(unmap_fails=st.booleans())
+    def tick(self, unmap_fails: bool) -> None:
+        """One scheduler step: poll the drain, abort if starving, unmap what is ready."""
+        self.step += 1
+        self.elastic.poll(self.step)
+        if self.elastic.should_abort():
+            self.elastic.abort_drain()
+        ready = self.elastic.take_ready(self.step)
+        if ready:
+            if unmap_fails:
+                self.elastic.abort_shrink(ready)
+            else:
+                self.elastic.commit_shrink(ready)
+
+    @invariant()
+    def sound(self) -> None:
+        assert self.elastic.invariant_violations() == []
+
+    @invariant()
+    def retired_blocks_never_handed_out(self) -> None:
+        pool = self.manager.block_pool
+        for g in self.elastic.groups_in(GroupState.RETIRED, GroupState.MAPPING):
+            for b in self.elastic.layout.blocks_of(g):
+                assert pool.blocks[b].ref_cnt == 0
+                assert pool.blocks[b].prev_free_block is None
+
+    @invariant()
+    def usage_counts_active_capacity(self) -> None:
+        pool = self.manager.block_pool
+        in_use = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
+        circulating = pool.num_gpu_blocks - 1
+        assert pool.get_num_free_blocks() + in_use == circulating
+        assert abs(pool.get_usage() - in_use / circulating) < 1e-9
+
+
+TestElasticPool = ElasticPoolMachine.TestCase
+TestElasticPool.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

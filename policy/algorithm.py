@@ -29,7 +29,7 @@ class Pressure:
 
     waiting: int
     kv_utilization: float
-    shape: StepShape = StepShape()
+    shape: StepShape = dataclasses.field(default_factory=StepShape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +87,10 @@ class OffloadPolicy:
                 if current is None or (nxt is not None and nxt > current):
                     return self._move(+1, "up", current, nxt)
                 return Decision(self.level, "hold", current, nxt)
-        elif pressure.waiting == 0 and pressure.kv_utilization < cfg.low_threshold:
-            if self.level > 0:
-                return self._move(-1, "down")
+        elif (
+            pressure.waiting == 0 and pressure.kv_utilization < cfg.low_threshold and self.level > 0
+        ):
+            return self._move(-1, "down")
         return Decision(self.level, "hold")
 
     def _next_proxy(self, shape: StepShape, current: float | None) -> float | None:

@@ -329,11 +329,10 @@ class ElasticBlockPool:
             problems.append("a block is both free and allocated")
         if free_ids & self._out:
             problems.append("a block out of circulation is on the free list")
+        idle = (GroupState.RETIRED, GroupState.MAPPING, GroupState.RECLAIMED, GroupState.UNMAPPING)
         for g, state in enumerate(self.states):
-            if state in (GroupState.RETIRED, GroupState.MAPPING, GroupState.RECLAIMED,
-                         GroupState.UNMAPPING):
-                if any(pool.blocks[b].ref_cnt for b in self.layout.blocks_of(g)):
-                    problems.append(f"group {g} ({state.value}) has an allocated block")
+            if state in idle and any(pool.blocks[b].ref_cnt for b in self.layout.blocks_of(g)):
+                problems.append(f"group {g} ({state.value}) has an allocated block")
         for block in _prefix_cached_blocks(pool):
             if block.block_id in self._out:
                 problems.append(f"prefix map points at block {block.block_id}, out of the pool")

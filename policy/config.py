@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 Estimator = Literal["measured", "model"]
 Proxy = Literal["decode", "model"]
@@ -70,7 +70,9 @@ class PolicyConfig:
         """The max level for a model of ``num_layers`` equal layers, checked against ⌊N/2⌋
         and pinned host memory (each level pins two layers: the pair sharing one region)."""
         if num_layers < 2:
-            raise ValueError(f"dynamic offloading needs at least 2 decoder layers, got {num_layers}")
+            raise ValueError(
+                f"dynamic offloading needs at least 2 decoder layers, got {num_layers}"
+            )
         ceiling = num_layers // 2
         level = ceiling if self.max_level is None else self.max_level
         if level > ceiling:
@@ -87,3 +89,67 @@ class PolicyConfig:
                 f"{pinned_bytes_available / 2**30:.1f} GiB is available; set max_level <= {fits}"
             )
         return level
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicOffloadConfig:
+    """Everything the plugin reads, from ``--additional-config '{"dynamic_offload": {...}}'``.
+
+    Because it lives in vLLM's ``additional_config``, it is part of vLLM's compile-cache hash.
+
+    Attributes:
+        policy: Algorithm 1's parameters (nested dict ``"policy"``).
+        trace_path: JSON-lines trace of every step and level change; ``None`` = no trace.
+        level_schedule: ``((step, level), ...)``: force these levels from these steps on,
+            bypassing the policy (tests, demos, benchmarks at a fixed level).
+        host_page_size: page size of the host VMM backend (CPU runs); CUDA uses 2 MiB.
+        layer_bytes: bytes of one decoder layer's weights; ``None`` = computed from the
+            model config (the worker checks it against the real parameters).
+    """
+
+    policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+    trace_path: str | None = None
+    level_schedule: tuple[tuple[int, int], ...] = ()
+    host_page_size: int = 2 << 20
+    layer_bytes: int | None = None
+
+    KEY = "dynamic_offload"
+
+    def __post_init__(self) -> None:
+        steps = [step for step, _ in self.level_schedule]
+        if steps != sorted(steps) or any(s < 0 or k < 0 for s, k in self.level_schedule):
+            raise ValueError(
+                "level_schedule must be [[step, level], ...] with increasing steps and "
+                f"non-negative levels, got {list(self.level_schedule)}"
+            )
+        if self.host_page_size <= 0 or self.host_page_size % 4096:
+            raise ValueError(f"host_page_size={self.host_page_size} must be a multiple of 4096")
+
+    def forced_level(self, step: int) -> int | None:
+        """The scheduled level at ``step``, or None when the policy decides."""
+        level = None
+        for start, scheduled in self.level_schedule:
+            if step >= start:
+                level = scheduled
+        return level
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, object] | None) -> DynamicOffloadConfig:
+        raw = dict(raw or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown dynamic_offload keys {unknown}; valid keys: {sorted(known)}")
+        policy_raw = raw.pop("policy", {}) or {}
+        if not isinstance(policy_raw, dict):
+            raise ValueError("dynamic_offload.policy must be a JSON object")
+        policy_known = {f.name for f in dataclasses.fields(PolicyConfig)}
+        bad = sorted(set(policy_raw) - policy_known)
+        if bad:
+            raise ValueError(f"unknown policy keys {bad}; valid keys: {sorted(policy_known)}")
+        schedule: Any = raw.pop("level_schedule", ()) or ()
+        return cls(
+            policy=PolicyConfig(**policy_raw),
+            level_schedule=tuple((int(s), int(k)) for s, k in schedule),
+            **raw,  # type: ignore[arg-type]
+        )

@@ -7,7 +7,7 @@ Two sources of L_k (the step time at offload depth k):
   measures — per-layer compute time, bytes per layer, the H2D bandwidth — so the policy needs
   no warm-up sweep; measured averages then refine it.
 
-The model. Layers ℓ = 0..N-1 run in order on the compute stream, each taking
+The model. Layers l = 0..N-1 run in order on the compute stream, each taking
 ``t = t_base + t_dec · n_decode + t_pre · n_prefill`` (ms). At depth k, layers i and i+N/2
 (i < k) share one GPU region. One copy stream moves layers in at ``W`` bytes/s, one copy of
 ``B`` bytes taking ``x = B / W``:

@@ -37,25 +37,25 @@ def test_group_geometry_matches_the_layout() -> None:
     assert list(real.page_span(2, 3)) == [2]
     odd = KVLayout(100, (3 << 19,), PAGE * 32)  # 1.5 MiB blocks on 2 MiB pages: 4 per group
     assert odd.group_blocks == 4
-    plan = plan_capacity([SPEC.page_size_bytes] * 4, base_blocks=600, layer_bytes=9 << 20,
-                         max_level=2)
+    plan = plan_capacity(
+        [SPEC.page_size_bytes] * 4, base_blocks=600, layer_bytes=9 << 20, max_level=2
+    )
     assert (plan.group_blocks, plan.base_groups, plan.tier_groups) == (256, 2, 1)
     assert plan.capacity_blocks(2) == plan.num_blocks == 1024
 
 
 def test_refuses_a_layer_that_frees_less_than_a_group() -> None:
     with pytest.raises(ValueError, match="frees less than one KV group"):
-        plan_capacity([SPEC.page_size_bytes] * 4, base_blocks=600, layer_bytes=1 << 20,
-                      max_level=2)
+        plan_capacity([SPEC.page_size_bytes] * 4, base_blocks=600, layer_bytes=1 << 20, max_level=2)
     with pytest.raises(ValueError, match="do not fill one group"):
-        plan_capacity([SPEC.page_size_bytes] * 4, base_blocks=10, layer_bytes=9 << 20,
-                      max_level=2)
+        plan_capacity([SPEC.page_size_bytes] * 4, base_blocks=10, layer_bytes=9 << 20, max_level=2)
 
 
 def test_shrink_takes_free_groups_at_once_and_drains_the_rest() -> None:
     manager = make_manager(8 * GROUPS)
-    elastic = ElasticBlockPool(manager.block_pool, layout(8 * GROUPS), active_groups=4,
-                               drain_lag_steps=2)
+    elastic = ElasticBlockPool(
+        manager.block_pool, layout(8 * GROUPS), active_groups=4, drain_lag_steps=2
+    )
     assert manager.block_pool.num_gpu_blocks == 32
     request = make_request(list(range(20 * BLOCK_SIZE)))  # 20 blocks: groups 0..2
     assert manager.allocate_slots(request, 20 * BLOCK_SIZE) is not None
@@ -100,8 +100,9 @@ class ElasticPoolMachine(RuleBasedStateMachine):
         super().__init__()
         num_blocks = 8 * GROUPS
         self.manager = make_manager(num_blocks)
-        self.elastic = ElasticBlockPool(self.manager.block_pool, layout(num_blocks),
-                                        active_groups=3, drain_lag_steps=1)
+        self.elastic = ElasticBlockPool(
+            self.manager.block_pool, layout(num_blocks), active_groups=3, drain_lag_steps=1
+        )
         self.live: list = []
         self.step = 0
         self.handed_out: set[int] = set()
@@ -112,8 +113,9 @@ class ElasticPoolMachine(RuleBasedStateMachine):
         tokens = [prefix * 1000 + i for i in range(blocks * BLOCK_SIZE)] + list(range(extra))
         request = make_request(tokens)
         computed, num_computed, _ = self.manager.get_computed_blocks(request)
-        new = self.manager.allocate_slots(request, len(tokens) - num_computed, num_computed,
-                                          computed)
+        new = self.manager.allocate_slots(
+            request, len(tokens) - num_computed, num_computed, computed
+        )
         if new is None:
             return
         self.live.append(request)
@@ -188,6 +190,8 @@ class ElasticPoolMachine(RuleBasedStateMachine):
 
 TestElasticPool = ElasticPoolMachine.TestCase
 TestElasticPool.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None,
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -1,0 +1,196 @@
+"""The scheduler's offload controller: policy + elastic pool + the command protocol.
+
+Kept apart from the vLLM scheduler class so it can be driven step by step in tests. Per
+step the scheduler calls, in order::
+
+    command = controller.on_schedule_start(step, waiting, running)   # before allocation
+    ... vLLM schedules (allocates blocks) ...
+    controller.on_schedule_end()                                      # abort a starving drain
+    ... the command rides on SchedulerOutput to every worker ...
+    controller.on_report(report)                                      # acks, latencies
+
+Level changes move one level per command. Raising k: the command carries the tier's groups
+to map (the workers alias the partner layer and map the freed pages); their blocks become
+allocatable only once every rank acknowledges (two-phase). Lowering k: the tier drains
+first (no scheduling ever waits); once its groups are free and ``drain_lag_steps`` steps
+have passed, the command carries them to unmap. A failed resize leaves pool and level as
+they were, and serving continues.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.core.block_pool import BlockPool
+
+from dynoff.policy.algorithm import OffloadPolicy, Pressure
+from dynoff.policy.block_pool import CapacityPlan, ElasticBlockPool, KVLayout
+from dynoff.policy.config import DynamicOffloadConfig
+from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepShape
+from dynoff.policy.messages import OffloadCommand, StepReport
+from dynoff.policy.trace import TraceWriter
+
+logger = logging.getLogger("vllm.dynoff.policy")
+
+
+class OffloadController:
+    def __init__(
+        self,
+        config: DynamicOffloadConfig,
+        plan: CapacityPlan,
+        layout: KVLayout,
+        block_pool: BlockPool,
+        num_ranks: int = 1,
+        model: OffloadCostModel | None = None,
+    ) -> None:
+        self.config = config
+        self.plan = plan
+        self.num_ranks = num_ranks
+        self.elastic = ElasticBlockPool(
+            block_pool, layout, plan.groups_at(0), config.policy.drain_lag_steps
+        )
+        self.estimator = LatencyEstimator(config.policy, model)
+        self.policy = OffloadPolicy(
+            config.policy, plan.max_level, plan.capacity_blocks, self.estimator
+        )
+        self.trace = TraceWriter(config.trace_path)
+        self.level = 0  # the level every worker runs at
+        self.inflight: OffloadCommand | None = None
+        self._outcomes: dict[int, bool] = {}
+        self._errors: list[str] = []
+        self._next_id = 0
+        self._shape = StepShape(num_decode_tokens=1)
+        self._decision = "hold"
+
+    # -- per step -----------------------------------------------------------------------------
+    def on_schedule_start(self, step: int, waiting: int, running: int) -> OffloadCommand | None:
+        self.elastic.poll(step)
+        if self.elastic.should_abort():
+            self._abort_drain(step)
+        command = None
+        if self.inflight is None:
+            ready = self.elastic.take_ready(step)
+            if ready:
+                command = self._issue(step, self.level - 1, unmap=ready)
+            elif not self.elastic.draining:
+                command = self._maybe_move(step, waiting)
+        self._record(step, waiting, running)
+        return command
+
+    def on_schedule_end(self, step: int) -> None:
+        if self.elastic.should_abort():
+            self._abort_drain(step)
+
+    def on_report(self, report: StepReport) -> None:
+        shape = StepShape(report.num_decode_tokens, report.num_prefill_tokens)
+        if report.decode_only != shape.decode_only:
+            shape = StepShape(max(shape.num_decode_tokens, 1), 0 if report.decode_only else 1)
+        self._shape = shape
+        self.estimator.observe(report.level, report.forward_ms, shape)
+        for outcome in report.outcomes:
+            if self.inflight is None or outcome.command_id != self.inflight.command_id:
+                continue
+            self._outcomes[outcome.rank] = outcome.ok
+            if not outcome.ok:
+                self._errors.append(f"rank {outcome.rank}: {outcome.error}")
+        if self.inflight is not None and len(self._outcomes) >= self.num_ranks:
+            self._complete(report.step)
+
+    # -- decisions ----------------------------------------------------------------------------
+    def _maybe_move(self, step: int, waiting: int) -> OffloadCommand | None:
+        forced = self.config.forced_level(step)
+        if forced is not None:
+            target = min(forced, self.plan.max_level)
+            self.policy.level = target
+            self._decision = "forced"
+        else:
+            usage = self.elastic.pool.get_usage()
+            decision = self.policy.decide(Pressure(waiting, usage, self._shape))
+            target, self._decision = decision.level, decision.reason
+        if target > self.level:
+            groups = self.elastic.begin_grow(self.plan.tier_groups)
+            return self._issue(step, self.level + 1, map_=groups)
+        if target < self.level:
+            self.elastic.begin_shrink(self.plan.tier_groups, step)
+            ready = self.elastic.take_ready(step)
+            if ready:
+                return self._issue(step, self.level - 1, unmap=ready)
+        return None
+
+    def _issue(
+        self, step: int, level: int, map_: tuple[int, ...] = (), unmap: tuple[int, ...] = ()
+    ) -> OffloadCommand:
+        command = OffloadCommand(
+            command_id=self._next_id,
+            step=step,
+            target_level=level,
+            map_groups=map_,
+            unmap_groups=unmap,
+            safe_after_step=step - 1,
+        )
+        self._next_id += 1
+        self.inflight, self._outcomes, self._errors = command, {}, []
+        return command
+
+    def _complete(self, step: int) -> None:
+        command, self.inflight = self.inflight, None
+        assert command is not None
+        ok = all(self._outcomes.values())
+        if ok:
+            self.elastic.commit_grow(command.map_groups)
+            self.elastic.commit_shrink(command.unmap_groups)
+            self.trace.event(
+                "level_change",
+                step=step,
+                from_level=self.level,
+                to_level=command.target_level,
+                capacity_blocks=self.plan.capacity_blocks(command.target_level),
+            )
+            logger.info(
+                "dynamic offload: level %d -> %d (KV capacity %d blocks)",
+                self.level,
+                command.target_level,
+                self.elastic.capacity_blocks,
+            )
+            self.level = command.target_level
+        else:
+            self.elastic.abort_grow(command.map_groups)
+            self.elastic.abort_shrink(command.unmap_groups)
+            self.policy.revert(self.level)
+            self.trace.event(
+                "resize_failed",
+                step=step,
+                command_id=command.command_id,
+                level=self.level,
+                errors=self._errors,
+            )
+            logger.warning(
+                "dynamic offload: resize to level %d failed, serving on at level %d: %s",
+                command.target_level,
+                self.level,
+                "; ".join(self._errors),
+            )
+
+    def _abort_drain(self, step: int) -> None:
+        targets = self.elastic.abort_drain()
+        self.policy.revert(self.level)
+        self.trace.event("drain_aborted", step=step, groups=list(targets), level=self.level)
+        logger.info(
+            "dynamic offload: KV free list ran dry, drain of %d groups aborted", len(targets)
+        )
+
+    def _record(self, step: int, waiting: int, running: int) -> None:
+        pool = self.elastic.pool
+        self.trace.step(
+            step=step,
+            level=self.level,
+            target=self.policy.level,
+            capacity_blocks=pool.num_gpu_blocks,
+            kv_util=round(pool.get_usage(), 4),
+            waiting=waiting,
+            running=running,
+            draining=list(self.elastic.drain_targets),
+            inflight=self.inflight.command_id if self.inflight else None,
+            decision=self._decision,
+            latency_ms=self.estimator.snapshot(self.plan.max_level),
+        )

@@ -1,0 +1,73 @@
+"""Sizes both sides must agree on: a decoder layer's bytes, the KV layout, the tier plan.
+
+The worker sizes the KV tensors for :func:`plan_for` 's ``num_blocks`` (the highest level's
+capacity) and the scheduler recovers the same plan from the resulting ``KVCacheConfig``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from dynoff.policy.block_pool import CapacityPlan, KVLayout, plan_capacity
+
+
+def decoder_layer_bytes(hf_config: Any, dtype_bytes: int) -> int:
+    """Bytes of one dense decoder layer (Llama / Qwen / Mistral families): attention
+    projections, gated MLP, the two RMSNorms, and Qwen3's q/k norms."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    hidden = text.hidden_size
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    inter = text.intermediate_size
+    params = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o, k, v
+    params += 3 * hidden * inter  # gate, up, down
+    params += 2 * hidden  # input and post-attention norms
+    if getattr(text, "model_type", "") in ("qwen3", "qwen3_moe"):
+        params += 2 * head_dim  # q_norm, k_norm
+    if getattr(text, "attention_bias", False) or getattr(text, "model_type", "") == "qwen2":
+        params += head_dim * (heads + 2 * kv_heads)
+    return params * dtype_bytes
+
+
+def layout_strides(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
+    """Bytes one block occupies in each distinct KV buffer (packed layouts count once)."""
+    strides: list[int] = []
+    packed = False
+    for tensor in kv_cache_config.kv_cache_tensors:
+        if getattr(tensor, "block_stride", 0):
+            if not packed:
+                strides.append(tensor.block_stride)
+                packed = True
+        else:
+            strides.append(tensor.size // kv_cache_config.num_blocks)
+    if not strides:
+        raise ValueError("the KV cache config has no tensors")
+    return tuple(strides)
+
+
+def plan_for(
+    strides: tuple[int, ...], base_blocks: int, layer_bytes: int, max_level: int, page_size: int
+) -> CapacityPlan:
+    """Worker side: the plan for ``base_blocks`` at level 0 (vLLM's profiled capacity)."""
+    return plan_capacity(strides, base_blocks, layer_bytes, max_level, page_size)
+
+
+def recover_plan(
+    kv_cache_config: KVCacheConfig, layer_bytes: int, max_level: int, page_size: int
+) -> tuple[CapacityPlan, KVLayout]:
+    """Scheduler side: the plan the worker sized ``kv_cache_config`` for."""
+    strides = layout_strides(kv_cache_config)
+    probe = plan_capacity(strides, 1 << 62, layer_bytes, max_level, page_size)
+    total_groups = kv_cache_config.num_blocks // probe.group_blocks
+    base_groups = total_groups - max_level * probe.tier_groups
+    if base_groups < 1:
+        raise ValueError(
+            f"the KV cache ({kv_cache_config.num_blocks} blocks) is too small for "
+            f"{max_level} levels of {probe.tier_groups} groups; was the worker started with "
+            "the dynamic-offload --worker-cls?"
+        )
+    plan = CapacityPlan(probe.group_blocks, base_groups, probe.tier_groups, max_level)
+    return plan, KVLayout(kv_cache_config.num_blocks, strides, page_size)

@@ -1,0 +1,98 @@
+"""``--scheduler-cls dynoff.policy.scheduler.DynamicOffloadScheduler``.
+
+A thin subclass of vLLM's ``AsyncScheduler``: each step it asks the
+:class:`~dynoff.policy.controller.OffloadController` for a command and attaches it to the
+``SchedulerOutput`` (attribute ``dynamic_offload``), and it feeds the workers'
+``StepReport`` (``ModelRunnerOutput.dynamic_offload``) back to the controller.
+
+vLLM internals touched (vLLM 0.26.0): ``Scheduler.kv_cache_manager.block_pool`` (its
+``blocks``, ``free_block_queue``, ``num_gpu_blocks``, ``evict_blocks``), ``Scheduler.waiting``,
+``skipped_waiting``, ``running`` and ``current_step``; nothing is patched globally.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psutil
+import torch
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+
+from dynoff.policy.config import DynamicOffloadConfig
+from dynoff.policy.controller import OffloadController
+from dynoff.policy.geometry import decoder_layer_bytes, recover_plan
+from dynoff.policy.messages import RUNNER_OUTPUT_ATTR, SCHEDULER_OUTPUT_ATTR
+
+logger = init_logger(__name__)
+
+CUDA_PAGE_SIZE = 2 << 20
+
+
+def dtype_bytes(dtype: Any) -> int:
+    return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 2
+
+
+def page_size_for(config: DynamicOffloadConfig) -> int:
+    return config.host_page_size if current_platform.is_cpu() else CUDA_PAGE_SIZE
+
+
+class DynamicOffloadScheduler(AsyncScheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        vllm_config = self.vllm_config
+        extra = vllm_config.additional_config
+        raw = extra.get(DynamicOffloadConfig.KEY) if isinstance(extra, dict) else None
+        config = DynamicOffloadConfig.from_dict(raw)
+        model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
+        num_layers = model_config.get_num_layers(parallel)
+        tp = parallel.tensor_parallel_size
+        layer_bytes = config.layer_bytes or (
+            decoder_layer_bytes(model_config.hf_config, dtype_bytes(model_config.dtype)) // tp
+        )
+        max_level = config.policy.resolve_max_level(
+            num_layers, layer_bytes, psutil.virtual_memory().available
+        )
+        plan, layout = recover_plan(
+            self.kv_cache_config, layer_bytes, max_level, page_size_for(config)
+        )
+        self.offload = OffloadController(
+            config,
+            plan,
+            layout,
+            self.kv_cache_manager.block_pool,
+            num_ranks=parallel.world_size,
+        )
+        logger.info(
+            "dynamic offload: %d layers, max level %d, KV capacity %d blocks at level 0 and "
+            "+%d per level (groups of %d blocks)",
+            num_layers,
+            max_level,
+            plan.capacity_blocks(0),
+            plan.tier_groups * plan.group_blocks,
+            plan.group_blocks,
+        )
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        step = self.current_step + 1
+        waiting = len(self.waiting) + len(self.skipped_waiting)
+        command = self.offload.on_schedule_start(step, waiting, len(self.running))
+        output = super().schedule(*args, **kwargs)
+        self.offload.on_schedule_end(step)
+        setattr(output, SCHEDULER_OUTPUT_ATTR, command)
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: Any
+    ) -> Any:
+        report = getattr(model_runner_output, RUNNER_OUTPUT_ATTR, None)
+        if report is not None:
+            self.offload.on_report(report)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def shutdown(self) -> None:
+        logger.info("dynamic offload: %s", self.offload.trace.summary())
+        self.offload.trace.close()
+        super().shutdown()

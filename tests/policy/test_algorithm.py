@@ -1,0 +1,86 @@
+"""Algorithm 1 on scripted traces: expected level sequences for each regime."""
+
+from __future__ import annotations
+
+from dynoff.policy.algorithm import OffloadPolicy, Pressure
+from dynoff.policy.config import PolicyConfig
+from dynoff.policy.latency import LatencyEstimator, StepShape
+
+DECODE = StepShape(num_decode_tokens=64)
+HIGH = Pressure(waiting=5, kv_utilization=0.95, shape=DECODE)
+LOW = Pressure(waiting=0, kv_utilization=0.10, shape=DECODE)
+MID = Pressure(waiting=0, kv_utilization=0.70, shape=DECODE)
+
+
+def capacity(level: int) -> int:
+    return 1000 + 500 * level
+
+
+def make(latency_by_level: dict[int, float], cooldown: int = 0, **kw: object) -> OffloadPolicy:
+    config = PolicyConfig(cooldown_steps=cooldown, **kw)  # type: ignore[arg-type]
+    estimator = LatencyEstimator(config)
+    for level, ms in latency_by_level.items():
+        estimator.observe(level, ms, DECODE)
+    return OffloadPolicy(config, max_level=4, capacity_blocks=capacity, estimator=estimator)
+
+
+def run(policy: OffloadPolicy, trace: list[Pressure]) -> list[int]:
+    return [policy.decide(p).level for p in trace]
+
+
+def test_sustained_pressure_with_rising_proxy_climbs_to_max() -> None:
+    # Capacity grows 1.5x, 1.33x, ... per level; latency only 10% per level: proxy rises.
+    policy = make({k: 30.0 * (1 + 0.1 * k) for k in range(5)})
+    assert run(policy, [HIGH] * 6) == [1, 2, 3, 4, 4, 4]
+
+
+def test_falling_proxy_stops_the_climb() -> None:
+    # L_2 jumps (copy-bound): C_2/L_2 = 2000/80 < C_1/L_1 = 1500/31.
+    policy = make({0: 30.0, 1: 31.0, 2: 80.0, 3: 90.0, 4: 100.0})
+    assert run(policy, [HIGH] * 4) == [1, 1, 1, 1]
+    decision = policy.decide(HIGH)
+    assert decision.reason == "hold"
+    assert decision.proxy_next is not None and decision.proxy_current is not None
+    assert decision.proxy_next < decision.proxy_current
+
+
+def test_low_pressure_descends_unconditionally_and_mid_holds() -> None:
+    policy = make({k: 30.0 for k in range(5)})
+    run(policy, [HIGH] * 3)
+    assert policy.level == 3
+    assert run(policy, [MID] * 2) == [3, 3]
+    assert run(policy, [LOW] * 5) == [2, 1, 0, 0, 0]
+
+
+def test_waiting_requests_count_as_high_pressure_at_low_utilisation() -> None:
+    policy = make({k: 30.0 for k in range(5)})
+    assert run(policy, [Pressure(waiting=1, kv_utilization=0.2, shape=DECODE)]) == [1]
+
+
+def test_cooldown_holds_for_c_steps_after_a_change() -> None:
+    policy = make({k: 30.0 for k in range(5)}, cooldown=3)
+    assert run(policy, [HIGH] * 9) == [1, 1, 1, 1, 2, 2, 2, 2, 3]
+    assert run(policy, [LOW] * 5) == [3, 3, 3, 2, 2]
+
+
+def test_unknown_next_latency_explores_upward() -> None:
+    policy = make({0: 30.0})  # nothing measured above level 0
+    assert run(policy, [HIGH] * 2) == [1, 2]
+
+
+def test_warmup_visits_every_level_from_max_down() -> None:
+    config = PolicyConfig(warmup=True, warmup_samples=2, cooldown_steps=0)
+    estimator = LatencyEstimator(config)
+    policy = OffloadPolicy(config, max_level=4, capacity_blocks=capacity, estimator=estimator)
+    visited = [policy.level]
+    for _ in range(40):
+        if not policy.warming_up:
+            break
+        estimator.observe(policy.level, 30.0 + policy.level, DECODE)  # the worker's report
+        estimator.observe(policy.level, 99.0, StepShape(4, 512))  # prefill: filtered out
+        decision = policy.decide(HIGH)  # pressure is ignored while warming up
+        if decision.level != visited[-1]:
+            visited.append(decision.level)
+    assert visited == [4, 3, 2, 1, 0]
+    assert not policy.warming_up
+    assert [estimator.measured(k) for k in range(5)] == [30.0, 31.0, 32.0, 33.0, 34.0]

@@ -1,0 +1,81 @@
+"""Every bad policy configuration is refused with a message that says the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynoff.policy.config import PolicyConfig
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"low_threshold": 0.9, "high_threshold": 0.9}, "must be below"),
+        ({"low_threshold": 0.95, "high_threshold": 0.9}, "must be below"),
+        ({"high_threshold": 1.0}, r"must lie in \(0, 1\)"),
+        ({"low_threshold": 0.0}, r"must lie in \(0, 1\)"),
+        ({"high_threshold": -0.2}, r"must lie in \(0, 1\)"),
+        ({"cooldown_steps": -1}, "cooldown_steps=-1 must be >= 0"),
+        ({"max_level": -1}, "max_level=-1 must be >= 0"),
+        ({"warmup_samples": 0}, "warmup_samples must be >= 1"),
+        ({"drain_lag_steps": -2}, "drain_lag_steps=-2"),
+        ({"estimator": "magic"}, "use 'measured' or 'model'"),
+        ({"proxy": "tokens"}, "use 'decode' or 'model'"),
+    ],
+)
+def test_bad_values_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_max_level_is_checked_against_half_the_layers() -> None:
+    assert PolicyConfig().resolve_max_level(64, GIB, 1000 * GIB) == 32
+    assert PolicyConfig().resolve_max_level(7, GIB, 1000 * GIB) == 3
+    with pytest.raises(ValueError, match=r"exceeds N/2=32 .* set max_level <= 32"):
+        PolicyConfig(max_level=33).resolve_max_level(64, GIB, 1000 * GIB)
+
+
+def test_max_level_is_checked_against_pinned_memory() -> None:
+    # 8 levels x 2 layers x 1 GiB = 16 GiB needed, 10 available: at most 5 levels.
+    with pytest.raises(ValueError, match=r"needs 16\.0 GiB of pinned .* set max_level <= 5"):
+        PolicyConfig(max_level=8).resolve_max_level(64, GIB, 10 * GIB)
+    assert PolicyConfig(max_level=5).resolve_max_level(64, GIB, 10 * GIB) == 5
+
+
+def test_model_estimator_needs_a_model() -> None:
+    from dynoff.policy.latency import LatencyEstimator
+
+    with pytest.raises(ValueError, match="needs an OffloadCostModel"):
+        LatencyEstimator(PolicyConfig(estimator="model"))
+
+
+def test_plugin_config_parses_and_refuses_unknown_keys() -> None:
+    from dynoff.policy.config import DynamicOffloadConfig
+
+    config = DynamicOffloadConfig.from_dict(
+        {"policy": {"cooldown_steps": 5, "warmup": True}, "level_schedule": [[0, 1], [9, 0]]}
+    )
+    assert config.policy.cooldown_steps == 5 and config.policy.warmup
+    assert [config.forced_level(s) for s in (0, 8, 9, 50)] == [1, 1, 0, 0]
+    assert DynamicOffloadConfig.from_dict(None).forced_level(3) is None
+    with pytest.raises(ValueError, match=r"unknown dynamic_offload keys \['levels'\]"):
+        DynamicOffloadConfig.from_dict({"levels": [1]})
+    with pytest.raises(ValueError, match=r"unknown policy keys \['tau'\]"):
+        DynamicOffloadConfig.from_dict({"policy": {"tau": 0.3}})
+    with pytest.raises(ValueError, match="increasing steps"):
+        DynamicOffloadConfig.from_dict({"level_schedule": [[5, 1], [2, 0]]})
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        DynamicOffloadConfig.from_dict({"host_page_size": 1000})
+
+
+def test_messages_survive_pickling() -> None:
+    import pickle
+
+    from dynoff.policy.messages import OffloadCommand, ResizeOutcome, StepReport
+
+    command = OffloadCommand(3, 10, 2, map_groups=(4, 5), safe_after_step=9)
+    report = StepReport(10, 2, 12.5, True, 8, 0, (ResizeOutcome(3, 1, False, "boom"),))
+    assert pickle.loads(pickle.dumps(command)) == command
+    assert pickle.loads(pickle.dumps(report)).failed(3)[0].error == "boom"

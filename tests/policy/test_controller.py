@@ -1,0 +1,119 @@
+"""The scheduler's side of the command protocol, with a real vLLM KVCacheManager and the
+worker's replies scripted: grows are two-phase, shrinks drain, failures change nothing, and
+every rank must answer before a command completes."""
+
+from __future__ import annotations
+
+import json
+
+from dynoff.policy.block_pool import KVLayout, plan_capacity
+from dynoff.policy.config import DynamicOffloadConfig, PolicyConfig
+from dynoff.policy.controller import OffloadController
+from dynoff.policy.messages import OffloadCommand, ResizeOutcome, StepReport
+from tests.policy.kv_fixtures import BLOCK_SIZE, SPEC, make_manager, make_request
+
+PAGE = 64 << 10  # 8 blocks per group with the fixture's 8 KiB blocks
+STRIDES = [SPEC.page_size_bytes] * 4
+LAYER_BYTES = 8 * PAGE  # frees 8 pages = 2 groups of 4 pages
+
+
+def controller(tmp_path, schedule=(), num_ranks=1, policy=None):
+    plan = plan_capacity(
+        STRIDES, base_blocks=16, layer_bytes=LAYER_BYTES, max_level=2, page_size=PAGE
+    )
+    manager = make_manager(plan.num_blocks)
+    config = DynamicOffloadConfig(
+        policy=policy or PolicyConfig(cooldown_steps=0),
+        trace_path=str(tmp_path / "trace.jsonl"),
+        level_schedule=tuple(schedule),
+    )
+    layout = KVLayout(plan.num_blocks, tuple(STRIDES), PAGE)
+    return OffloadController(config, plan, layout, manager.block_pool, num_ranks), manager
+
+
+def ack(command: OffloadCommand, ok: bool = True, rank: int = 0, level: int = 0) -> StepReport:
+    outcome = ResizeOutcome(command.command_id, rank, ok, "" if ok else "cuMemMap failed")
+    return StepReport(
+        step=command.step,
+        level=level,
+        forward_ms=10.0,
+        decode_only=True,
+        num_decode_tokens=4,
+        outcomes=(outcome,),
+    )
+
+
+def test_grow_is_two_phase(tmp_path) -> None:
+    ctl, manager = controller(tmp_path, schedule=[(1, 1)])
+    assert manager.block_pool.num_gpu_blocks == 16
+    command = ctl.on_schedule_start(1, waiting=0, running=0)
+    assert command is not None and command.target_level == 1
+    assert command.map_groups == (2, 3)
+    assert manager.block_pool.num_gpu_blocks == 16  # not allocatable before the ack
+    assert ctl.on_schedule_start(2, 0, 0) is None  # one command in flight at a time
+    ctl.on_report(ack(command, level=1))
+    assert ctl.level == 1
+    assert manager.block_pool.num_gpu_blocks == 32
+    assert manager.block_pool.get_num_free_blocks() == 31
+
+
+def test_failed_grow_changes_nothing(tmp_path) -> None:
+    ctl, manager = controller(tmp_path, policy=PolicyConfig(cooldown_steps=0))
+    command = ctl.on_schedule_start(1, waiting=3, running=0)  # pressure: the policy climbs
+    assert command is not None and command.target_level == 1
+    ctl.on_report(ack(command, ok=False))
+    assert ctl.level == 0 and ctl.policy.level == 0
+    assert manager.block_pool.num_gpu_blocks == 16
+    assert ctl.elastic.invariant_violations() == []
+    assert ctl.trace.failures == 1
+
+
+def test_shrink_drains_then_unmaps_after_the_lag(tmp_path) -> None:
+    ctl, manager = controller(tmp_path, schedule=[(1, 1), (3, 0)])
+    ctl.on_report(ack(ctl.on_schedule_start(1, 0, 0), level=1))
+    # A request holding blocks in the tier's groups (free list pops from the head, where
+    # the newly mapped blocks were put).
+    request = make_request(list(range(10 * BLOCK_SIZE)))
+    assert manager.allocate_slots(request, 10 * BLOCK_SIZE) is not None
+    held = set(manager.get_block_ids(request.request_id)[0])
+    assert held & set(range(16, 32))
+    assert ctl.on_schedule_start(3, 0, 1) is None  # draining: nothing to unmap yet
+    assert ctl.elastic.draining
+    manager.free(request)
+    assert ctl.on_schedule_start(4, 0, 0) is None  # drained at 4, lag of 2 steps
+    assert ctl.on_schedule_start(5, 0, 0) is None
+    command = ctl.on_schedule_start(6, 0, 0)
+    assert command is not None and command.target_level == 0
+    assert command.safe_after_step == 5
+    assert len(command.unmap_groups) == 2
+    ctl.on_report(ack(command, level=0))
+    assert ctl.level == 0 and manager.block_pool.num_gpu_blocks == 16
+    assert ctl.elastic.invariant_violations() == []
+
+
+def test_every_rank_must_answer(tmp_path) -> None:
+    ctl, manager = controller(tmp_path, schedule=[(1, 1)], num_ranks=2)
+    command = ctl.on_schedule_start(1, 0, 0)
+    ctl.on_report(ack(command, rank=0, level=1))
+    assert ctl.inflight is command and ctl.level == 0
+    ctl.on_report(ack(command, ok=False, rank=1))  # one rank failed: nothing changes
+    assert ctl.inflight is None and ctl.level == 0
+    assert manager.block_pool.num_gpu_blocks == 16
+
+
+def test_trace_records_steps_and_level_changes(tmp_path) -> None:
+    ctl, _ = controller(tmp_path, schedule=[(1, 1), (2, 2)])
+    for step in (1, 2, 3):
+        command = ctl.on_schedule_start(step, 0, 0)
+        if command:
+            ctl.on_report(ack(command, level=command.target_level))
+    ctl.trace.close()
+    lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if r["kind"] == "step"]
+    changes = [r for r in lines if r.get("event") == "level_change"]
+    assert [r["to_level"] for r in changes] == [1, 2]
+    assert {"t", "level", "capacity_blocks", "kv_util", "waiting", "draining", "latency_ms"} <= set(
+        steps[0]
+    )
+    assert ctl.trace.summary()["levels_visited"] == [0, 1, 2]
+    assert ctl.trace.summary()["capacity_blocks_by_level"] == {0: 16, 1: 32, 2: 48}

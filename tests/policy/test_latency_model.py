@@ -1,0 +1,78 @@
+"""The link-aware latency model against hand-computed step times, on PCIe and on C2C.
+
+Qwen3-32B: N = 64 layers of B = 0.975 GB (bf16). Take a ~29.8 ms decode step:
+t = 0.45 ms per layer, 1.0 ms outside the layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dynoff.policy.config import PolicyConfig
+from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepShape
+
+N, B, T, OVERHEAD = 64, 975_000_000, 0.45, 1.0
+DECODE = StepShape(num_decode_tokens=128)
+
+
+def qwen32b(bandwidth: float, penalty: float = 0.0) -> OffloadCostModel:
+    return OffloadCostModel(
+        N, B, bandwidth, layer_ms_base=T, overhead_ms=OVERHEAD, piecewise_penalty_ms=penalty
+    )
+
+
+def test_pcie_cannot_hide_a_layer_behind_a_decode_step() -> None:
+    model = qwen32b(55e9)
+    x = B / 55e9 * 1e3  # 17.73 ms per copy; the window is (N/2 - 1) t = 13.95 ms
+    assert model.step_ms(0, DECODE) == pytest.approx(N * T + OVERHEAD, rel=0.05)
+    # Hand computation, k = 1 (steady state): layer 32 waits for its copy, issued after
+    # layer 0; layer 0 of the next step waits for its copy, issued after layer 32:
+    # L_1 = 2t + 2x.
+    assert model.step_ms(1, DECODE) == pytest.approx(2 * T + 2 * x, rel=0.05)
+    # k = 2: the copy stream is the bottleneck, four copies a step: L_2 = 4x + 2t.
+    assert model.step_ms(2, DECODE) == pytest.approx(4 * x + 2 * T, rel=0.05)
+    # The step grows by the part of the copies that cannot hide (6.6 ms, 18% of 2x).
+    assert model.step_ms(1, DECODE) > 1.2 * model.step_ms(0, DECODE)
+    assert model.hidden_fraction(1, DECODE) == pytest.approx(
+        1 - (2 * T + 2 * x - N * T - OVERHEAD) / (2 * x), rel=0.05
+    )
+
+
+def test_c2c_hides_the_copies_until_the_copy_stream_fills() -> None:
+    model = qwen32b(390e9)
+    x = B / 390e9 * 1e3  # 2.5 ms, well inside the 13.95 ms window
+    assert model.step_ms(4, DECODE) == pytest.approx(N * T + OVERHEAD, rel=0.05)
+    assert model.hidden_fraction(4, DECODE) == pytest.approx(1.0)
+    # k = 8 needs 16 copies = 40 ms a step, more than the 29.8 ms step: copy-bound,
+    # 2k·x plus the layer that runs between the last copy and the step's end.
+    assert model.step_ms(8, DECODE) == pytest.approx(16 * x + T, rel=0.05)
+
+
+def test_piecewise_penalty_applies_only_when_offloading() -> None:
+    model = qwen32b(390e9, penalty=8.3)
+    assert model.step_ms(0, DECODE) == pytest.approx(N * T + OVERHEAD)
+    assert model.step_ms(1, DECODE) == pytest.approx(N * T + OVERHEAD + 8.3)
+
+
+def test_long_prefill_steps_widen_the_window() -> None:
+    # Prefill tokens make each layer longer: on PCIe, a 4k-token chunk hides level 1.
+    model = OffloadCostModel(
+        N, B, 55e9, layer_ms_base=T, layer_ms_per_prefill_token=0.0002, overhead_ms=OVERHEAD
+    )
+    prefill = StepShape(num_decode_tokens=16, num_prefill_tokens=4096)
+    assert model.hidden_fraction(1, DECODE) < 0.9
+    assert model.hidden_fraction(1, prefill) == pytest.approx(1.0)
+    assert model.step_ms(1, prefill) == pytest.approx(model.step_ms(0, prefill))
+
+
+def test_estimator_refines_the_model_with_measurements() -> None:
+    model = qwen32b(55e9)
+    estimator = LatencyEstimator(PolicyConfig(estimator="model", min_samples=2), model)
+    assert estimator.estimate(1) == pytest.approx(model.step_ms(1, StepShape(1)))
+    # The machine runs 10% slower than modelled at level 0: every prediction scales.
+    for _ in range(2):
+        estimator.observe(0, 1.1 * model.step_ms(0, DECODE), DECODE)
+    assert estimator.estimate(0) == pytest.approx(1.1 * model.step_ms(0, DECODE))
+    assert estimator.estimate(1) == pytest.approx(1.1 * model.step_ms(1, DECODE))
+    estimator.observe(2, 500.0, StepShape(4, 2048))  # prefill steps are filtered out
+    assert estimator.samples(2) == 0

@@ -1,0 +1,90 @@
+"""The ``--scheduler-cls`` subclass built on a real vLLM config (tiny Llama, CPU): it
+recovers the worker's capacity plan, attaches one command per step to SchedulerOutput,
+reads the worker's StepReport from ModelRunnerOutput, and the KV capacity the scheduler
+sees follows the level."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vllm.config import CacheConfig, ModelConfig, VllmConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.structured_output import StructuredOutputManager
+
+from dynoff.policy.geometry import decoder_layer_bytes, layout_strides, plan_for
+from dynoff.policy.messages import ResizeOutcome, StepReport
+from dynoff.policy.scheduler import DynamicOffloadScheduler
+from tests.policy.kv_fixtures import SPEC, make_request
+
+MODEL = str(Path(__file__).parents[1] / "models" / "tiny-llama")
+PAGE = 64 << 10
+
+
+def build(tmp_path: Path, schedule: list[list[int]]) -> DynamicOffloadScheduler:
+    model = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512)
+    extra = {
+        "dynamic_offload": {
+            "host_page_size": PAGE,
+            "level_schedule": schedule,
+            "trace_path": str(tmp_path / "trace.jsonl"),
+        }
+    }
+    cache = CacheConfig(block_size=16)
+    vllm_config = VllmConfig(model_config=model, cache_config=cache, additional_config=extra)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    # What the worker does: size the KV cache for the highest level's capacity.
+    strides = (SPEC.page_size_bytes,) * 4
+    layer_bytes = decoder_layer_bytes(model.hf_config, 2)
+    plan = plan_for(strides, base_blocks=64, layer_bytes=layer_bytes, max_level=2, page_size=PAGE)
+    kv = KVCacheConfig(
+        num_blocks=plan.num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(plan.num_blocks * SPEC.page_size_bytes, [n]) for n in layers
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layers, SPEC)],
+    )
+    assert layout_strides(kv) == strides
+    cache.num_gpu_blocks = plan.num_blocks  # what EngineCore sets after profiling
+    return DynamicOffloadScheduler(
+        vllm_config, kv, StructuredOutputManager(vllm_config), block_size=16
+    )
+
+
+def finish_step(scheduler: DynamicOffloadScheduler, output, report: StepReport) -> None:
+    req_ids = list(output.num_scheduled_tokens)
+    result = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[7] for _ in req_ids],
+    )
+    result.dynamic_offload = report  # type: ignore[attr-defined]
+    scheduler.update_from_output(output, result)
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_commands_ride_on_scheduler_output_and_reports_come_back(tmp_path: Path, ok: bool) -> None:
+    scheduler = build(tmp_path, schedule=[[1, 1]])
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.num_gpu_blocks == 64  # level 0: the base capacity only
+    scheduler.add_request(make_request(list(range(40))))
+    first = scheduler.schedule()
+    command = first.dynamic_offload  # type: ignore[attr-defined]
+    assert command is not None and command.target_level == 1 and command.map_groups
+    outcome = ResizeOutcome(command.command_id, 0, ok, "" if ok else "injected")
+    finish_step(
+        scheduler, first, StepReport(command.step, 1 if ok else 0, 5.0, False, 0, 40, (outcome,))
+    )
+    assert scheduler.offload.level == (1 if ok else 0)
+    assert pool.num_gpu_blocks == (96 if ok else 64)
+    second = scheduler.schedule()
+    retry = second.dynamic_offload  # type: ignore[attr-defined]
+    if ok:
+        assert retry is None
+    else:  # serving went on at level 0; the forced level is tried again
+        assert retry.target_level == 1 and retry.command_id == command.command_id + 1
+    assert second.num_scheduled_tokens  # the request kept running either way
+    assert scheduler.offload.elastic.invariant_violations() == []
+    scheduler.shutdown()
+    assert (tmp_path / "trace.jsonl").read_text().count('"kind": "step"') == 2

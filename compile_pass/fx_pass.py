@@ -1,0 +1,173 @@
+"""``LayerPrefetchPass``: insert the wait and prefetch ops at decoder-layer boundaries.
+
+Contract (post-grad FX graph, one whole graph when vLLM uses Inductor graph partition):
+
+* Layer L's nodes are the ``call_function`` nodes whose ``meta["nn_module_stack"]`` names
+  ``...layers.L...`` (the innermost such index wins). The pass needs layers 0..N-1, all
+  present; otherwise it leaves the graph alone and logs why.
+* Before layer L's first node it inserts ``dynoff.wait_layer(x, L)``, where ``x`` is that
+  node's first tensor input produced outside layer L (the residual stream entering L).
+* After layer L's last *weight use* (the last non-view node reading a placeholder that only
+  layer L reads, directly or through views) it inserts
+  ``dynoff.prefetch_layer(y, partner(L))``, ``y`` being that node's output: the copy of the partner starts as soon as L no longer needs the shared region.
+  The odd-N last layer has no partner and gets no prefetch.
+
+Before / after (one layer, schematically)::
+
+    %norm = auto_functionalized(fused_add_rms_norm, input=%h, ...)   # layers.3
+    %qkv  = mm(%x, %w_qkv)                                            # layers.3
+    ...
+    %down = mm(%act, %w_down)                                         # layers.3
+
+    wait_layer(%h, 3)                           <- inserted: mutates %h, so every reader
+    %norm = auto_functionalized(fused_add_rms_norm, input=%h, ...)      of %h follows it
+    ...
+    %down = mm(%act, %w_down)
+    prefetch_layer(%down, 3 + N/2)              <- inserted: readers of %down follow it
+
+Invariants kept (Inductor's fx_passes rules): ``meta["val"]`` of existing nodes is untouched
+and new nodes return nothing; no new aliasing between inputs and outputs; the only
+mutations are the ones the ops' schemas declare, on intermediate values, never on graph
+inputs. The pass is idempotent: a graph that already holds the ops is left as it is.
+``uuid()`` hashes this module's source and the pass's settings, so Inductor's cache is
+invalidated whenever either changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+
+import torch
+from torch import fx
+from vllm.compilation.passes.inductor_pass import InductorPass
+
+from dynoff.compile_pass.ops import PREFETCH, WAIT
+from dynoff.compile_pass.pairing import partner
+
+logger = logging.getLogger("vllm.dynoff.compile_pass")
+
+
+class LayerPrefetchPass(InductorPass):
+    """Post-grad pass inserting ``wait_layer`` / ``prefetch_layer`` around each layer."""
+
+    def __init__(self, layer_pattern: str = r"(?:^|\.)layers\.(\d+)(?:\.|$)") -> None:
+        self.layer_pattern = layer_pattern
+        self._regex = re.compile(layer_pattern)
+        self.invocations = 0
+
+    def uuid(self) -> str:
+        return InductorPass.hash_source(self) + InductorPass.hash_dict(
+            {"layer_pattern": self.layer_pattern, "version": 2}
+        )
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.invocations += 1
+        if any(node.target in (WAIT, PREFETCH) for node in graph.nodes):
+            return  # already transformed
+        by_layer = self._nodes_by_layer(graph)
+        if not by_layer:
+            logger.debug("no decoder layers found in this graph; nothing to insert")
+            return
+        num_layers = max(by_layer) + 1
+        if sorted(by_layer) != list(range(num_layers)):
+            logger.warning(
+                "dynamic offload: layers %s missing from the graph; ops not inserted",
+                sorted(set(range(num_layers)) - set(by_layer)),
+            )
+            return
+        owned = self._weights_by_layer(graph, by_layer)
+        for layer in range(num_layers):
+            self._insert_wait(graph, layer, by_layer[layer])
+            other = partner(layer, num_layers)
+            if other is not None:
+                self._insert_prefetch(graph, other, by_layer[layer], owned[layer])
+        graph.lint()
+
+    # -- analysis -----------------------------------------------------------------------------
+    def layer_of(self, node: fx.Node) -> int | None:
+        """The innermost ``layers.<i>`` in the node's module provenance."""
+        stack = node.meta.get("nn_module_stack") or {}
+        found = None
+        for entry in stack.values():
+            path = entry[0] if isinstance(entry, tuple) else str(entry)
+            for match in self._regex.finditer(_normalize(path)):
+                found = int(match.group(1))
+        return found
+
+    def _nodes_by_layer(self, graph: fx.Graph) -> dict[int, list[fx.Node]]:
+        by_layer: dict[int, list[fx.Node]] = defaultdict(list)
+        for node in graph.nodes:
+            if node.op == "call_function":
+                layer = self.layer_of(node)
+                if layer is not None:
+                    by_layer[layer].append(node)
+        return dict(by_layer)
+
+    @staticmethod
+    def _weights_by_layer(
+        graph: fx.Graph, by_layer: dict[int, list[fx.Node]]
+    ) -> dict[int, set[fx.Node]]:
+        """Placeholders read by exactly one layer: that layer's weights."""
+        layer_of = {node: layer for layer, nodes in by_layer.items() for node in nodes}
+        owned: dict[int, set[fx.Node]] = defaultdict(set)
+        for node in graph.find_nodes(op="placeholder"):
+            readers = {layer_of.get(user) for user in node.users}
+            if len(readers) == 1 and None not in readers:
+                (layer,) = readers
+                assert layer is not None
+                owned[layer].add(node)
+        return owned
+
+    # -- rewriting ----------------------------------------------------------------------------
+    def _insert_wait(self, graph: fx.Graph, layer: int, nodes: list[fx.Node]) -> None:
+        inside = set(nodes)
+        first = nodes[0]
+        x = next(
+            (
+                a
+                for a in first.all_input_nodes
+                if a not in inside and _is_tensor(a) and a.op != "placeholder"
+            ),
+            None,
+        )
+        if x is None:
+            x = next((a for a in first.all_input_nodes if _is_tensor(a)), None)
+        if x is None:
+            raise RuntimeError(f"layer {layer}: no tensor input to order the wait on")
+        with graph.inserting_before(first):
+            graph.call_function(WAIT, (x, layer))
+
+    def _insert_prefetch(
+        self, graph: fx.Graph, other: int, nodes: list[fx.Node], weights: set[fx.Node]
+    ) -> None:
+        # Views of a weight (permute, reshape, ...) read nothing: follow them to the kernels
+        # that do, or the copy could overwrite the region before its last reader runs.
+        derived = set(weights)
+        for node in nodes:
+            if _is_view(node) and derived & set(node.all_input_nodes):
+                derived.add(node)
+        users = [n for n in nodes if n not in derived and derived & set(n.all_input_nodes)] or nodes
+        last = users[-1]
+        anchor = last if _is_tensor(last) else next((u for u in last.users if _is_tensor(u)), None)
+        if anchor is None:
+            anchor = next(n for n in reversed(nodes) if _is_tensor(n))
+        with graph.inserting_after(anchor):
+            graph.call_function(PREFETCH, (anchor, other))
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and bool(getattr(node.target, "is_view", False))
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _normalize(path: str) -> str:
+    """``L['self'].layers[3].mlp`` / ``model.layers.3.mlp`` -> ``...layers.3.mlp``."""
+    return re.sub(r"\[['\"]?(\w+)['\"]?\]", r".\1", path)
+
+
+LAYER_PREFETCH_PASS = LayerPrefetchPass()

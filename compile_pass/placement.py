@@ -1,0 +1,152 @@
+"""Weights under fixed addresses: each decoder layer's parameters packed into one VMM range.
+
+After ``load_model`` (before profiling and graph capture) every layer's parameters are
+copied into one range from the allocator and each ``param.data`` becomes a view of it: the
+Parameter objects stay, their addresses never change again. Changing the depth remaps pages
+under those addresses:
+
+* raise k -> k+1 (pair i = k, j = k + N/2): j's range is aliased onto i's physical pages
+  (the shared region) and j's own pages go back to the pool, for the KV cache to take;
+* lower k -> k-1: j gets private pages again (from the pool, after the KV cache gave them
+  back) and both layers are restored from their pinned CPU copies.
+
+Every offloadable layer keeps a pinned CPU copy (2 layers per level: the seed's "two bytes
+of pinned memory per byte reclaimed"), pinned with ``cudaHostRegister`` so host memory is
+the weight bytes, not a power-of-two rounding of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from dynoff.allocator import ZERO_PAGE, VmmArena, VmmRange
+from dynoff.compile_pass.pairing import half, pair_index
+
+ALIGN = 256  # bytes; every parameter view starts on a 256-byte boundary
+
+
+class UnequalLayersError(ValueError):
+    """The decoder layers differ in size or layout, so they cannot share regions."""
+
+
+@dataclasses.dataclass
+class LayerPack:
+    index: int
+    nbytes: int
+    range: VmmRange
+    pages: list[int]
+    flat: torch.Tensor  # uint8 [nbytes] over the range
+    cpu: torch.Tensor | None = None  # pinned copy, offloadable layers only
+
+
+def layer_signature(layer: nn.Module) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    return tuple((name, tuple(p.shape), p.dtype) for name, p in layer.named_parameters())
+
+
+def _layout(layer: nn.Module) -> tuple[list[tuple[nn.Parameter, int]], int]:
+    offset, placed = 0, []
+    for _, param in layer.named_parameters():
+        placed.append((param, offset))
+        offset += -(-param.numel() * param.element_size() // ALIGN) * ALIGN
+    return placed, offset
+
+
+def pin(tensor: torch.Tensor) -> torch.Tensor:
+    """Page-lock ``tensor``'s exact bytes (no power-of-two rounding). CPU-only runs skip it."""
+    if torch.cuda.is_available():
+        rc = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister of {tensor.numel()} bytes failed ({rc})")
+    return tensor
+
+
+class WeightPlacement:
+    """Packs ``layers`` into VMM ranges of ``arena`` and changes the depth by remapping."""
+
+    def __init__(self, arena: VmmArena, layers: Sequence[nn.Module], max_level: int) -> None:
+        self.arena = arena
+        self.num_layers = len(layers)
+        if not 0 <= max_level <= half(self.num_layers):
+            raise ValueError(
+                f"max_level={max_level} outside [0, {half(self.num_layers)}] for "
+                f"{self.num_layers} layers (pairs are i and i + N/2)"
+            )
+        signatures = {layer_signature(layer) for layer in layers}
+        if len(signatures) > 1:
+            sizes = sorted({_layout(layer)[1] for layer in layers})
+            raise UnequalLayersError(
+                f"decoder layers differ in parameters ({len(signatures)} layouts, sizes "
+                f"{sizes} bytes): dynamic offloading needs equal layers to share regions"
+            )
+        self.max_level = max_level
+        self.level = 0
+        self.packs = [self._pack(i, layer) for i, layer in enumerate(layers)]
+        for pack in self.packs:
+            i = pair_index(pack.index, self.num_layers)
+            if i is not None and i < max_level:
+                pack.cpu = pin(pack.flat.detach().to("cpu", copy=True))
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.packs[0].nbytes
+
+    @property
+    def pages_per_layer(self) -> int:
+        return len(self.packs[0].pages)
+
+    def _pack(self, index: int, layer: nn.Module) -> LayerPack:
+        placed, nbytes = _layout(layer)
+        num_pages = self.arena.pages_for(nbytes)
+        if self.arena.stats().pages_free < num_pages:
+            self.arena.create_pages(num_pages - self.arena.stats().pages_free)
+        pages = self.arena.allocate_pages(num_pages)
+        vrange = self.arena.reserve(num_pages)
+        self.arena.map(vrange, range(num_pages), pages)
+        for param, offset in placed:
+            view = vrange.tensor(param.dtype, tuple(param.shape), offset)
+            view.copy_(param.data)
+            param.data = view  # same Parameter object, fixed address from now on
+        flat = vrange.tensor(torch.uint8, (nbytes,))
+        return LayerPack(index, nbytes, vrange, pages, flat)
+
+    def offloadable(self) -> dict[int, LayerPack]:
+        return {p.index: p for p in self.packs if p.cpu is not None}
+
+    def raise_level(self) -> list[int]:
+        """k -> k+1. Returns the pool pages freed (now free in the arena's pool)."""
+        if self.level >= self.max_level:
+            raise ValueError(f"already at max_level={self.max_level}")
+        i, j = self.level, self.level + half(self.num_layers)
+        n = self.pages_per_layer
+        src, dst = self.packs[i], self.packs[j]
+        displaced = self.arena.alias(src.range, range(n), dst.range, range(n), replace=True)
+        self.arena.free_pages(displaced)
+        self.level += 1
+        return displaced
+
+    def lower_level(self) -> list[int]:
+        """k -> k-1. Takes pages from the pool; returns them (now private to layer j)."""
+        if self.level == 0:
+            raise ValueError("already at level 0")
+        i, j = self.level - 1, self.level - 1 + half(self.num_layers)
+        n = self.pages_per_layer
+        pages = self.arena.allocate_pages(n)
+        dst = self.packs[j]
+        ops = [(dst.range, o, ZERO_PAGE) for o in range(n)]
+        ops += [(dst.range, o, p) for o, p in enumerate(pages)]
+        try:
+            self.arena.apply(ops, synchronize=True)
+        except Exception:
+            self.arena.free_pages(pages)
+            raise
+        for layer in (j, i):
+            pack = self.packs[layer]
+            assert pack.cpu is not None
+            pack.flat.copy_(pack.cpu)
+        dst.pages = pages
+        self.level -= 1
+        return pages

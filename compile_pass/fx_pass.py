@@ -9,7 +9,8 @@ Contract (post-grad FX graph, one whole graph when vLLM uses Inductor graph part
   node's first tensor input produced outside layer L (the residual stream entering L).
 * After layer L's last *weight use* (the last non-view node reading a placeholder that only
   layer L reads, directly or through views) it inserts
-  ``dynoff.prefetch_layer(y, partner(L))``, ``y`` being that node's output: the copy of the partner starts as soon as L no longer needs the shared region.
+  ``dynoff.prefetch_layer(y, partner(L))``, ``y`` being that node's output: the copy of the
+  partner starts as soon as L no longer needs the shared region.
   The odd-N last layer has no partner and gets no prefetch.
 
 Before / after (one layer, schematically)::

@@ -40,7 +40,10 @@ class PrefetchEngine:
     """
 
     def __init__(
-        self, sources: Mapping[int, torch.Tensor], destinations: Mapping[int, torch.Tensor]
+        self,
+        sources: Mapping[int, torch.Tensor],
+        destinations: Mapping[int, torch.Tensor],
+        timing: bool = False,
     ) -> None:
         if set(sources) != set(destinations):
             raise ValueError("every offloadable layer needs both a source and a destination")
@@ -58,6 +61,9 @@ class PrefetchEngine:
             self.copy_stream = torch.cuda.Stream(device)
             self._region_free = {layer: torch.cuda.Event() for layer in sources}
             self._copied = {layer: torch.cuda.Event() for layer in sources}
+        # Optional: (start, end) events around every copy, for the bandwidth benchmark.
+        self.timing = timing and self.on_cuda
+        self.timings: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
     def prefetch(self, layer: int) -> None:
         src, dst = self.sources[layer], self.destinations[layer]
@@ -71,7 +77,13 @@ class PrefetchEngine:
         self._region_free[layer].record(torch.cuda.current_stream())
         self.copy_stream.wait_event(self._region_free[layer])
         with torch.cuda.stream(self.copy_stream), trace_range(f"dynoff.prefetch.L{layer}"):
+            if self.timing:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+                start.record(self.copy_stream)
             dst.copy_(src, non_blocking=True)
+            if self.timing:
+                end.record(self.copy_stream)
+                self.timings.append((src.numel(), start, end))
         self._copied[layer].record(self.copy_stream)
         self.pending.add(layer)
 
@@ -81,6 +93,13 @@ class PrefetchEngine:
         with trace_range(f"dynoff.wait.L{layer}"):
             torch.cuda.current_stream().wait_event(self._copied[layer])
         self.pending.discard(layer)
+
+    def achieved_bandwidth(self) -> float:
+        """Bytes per second over the recorded copies (``timing=True``; synchronizes)."""
+        self.copy_stream.synchronize()
+        nbytes = sum(n for n, _, _ in self.timings)
+        seconds = sum(s.elapsed_time(e) for _, s, e in self.timings) / 1e3
+        return nbytes / seconds if seconds else 0.0
 
     def synchronize(self) -> None:
         """Finish every copy in flight (before a level change)."""

@@ -85,6 +85,12 @@ class LayerPrefetchPass(InductorPass):
             if other is not None:
                 self._insert_prefetch(graph, other, by_layer[layer], owned[layer])
         graph.lint()
+        logger.info(
+            "dynamic offload: inserted %d wait_layer and %d prefetch_layer ops (%d layers)",
+            num_layers,
+            sum(partner(layer, num_layers) is not None for layer in range(num_layers)),
+            num_layers,
+        )
 
     # -- analysis -----------------------------------------------------------------------------
     def layer_of(self, node: fx.Node) -> int | None:

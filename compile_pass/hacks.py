@@ -1,0 +1,48 @@
+"""HACK(vllm-0.26.0-private): the only two private vLLM functions the plugin wraps.
+
+Written against vLLM 0.26.0; ``tests/compile_pass/test_hacks.py`` fails if either changes.
+
+1. ``GPUModelRunner._allocate_kv_cache_tensors(kv_cache_config) -> {layer: int8 tensor}``
+   allocates the KV buffers with ``torch.zeros``. The worker replaces it *on its own runner
+   instance* with a function returning VMM-backed tensors (reserved for the largest
+   capacity, mostly unmapped, never zero-filled). vLLM has no hook for this.
+2. ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight)``
+   on the CPU platform hands each linear layer's weight to oneDNN (a private packed copy)
+   and drops the Parameter. During ``load_model`` only, the worker swaps it for a version
+   that keeps the Parameter and computes with ``F.linear`` on it, so the weights can live
+   in VMM ranges and be remapped. CPU only; CUDA reads ``param.data`` directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+VLLM_VERSION = "0.26.0"
+
+
+def route_kv_allocation(
+    model_runner: Any, allocate: Callable[[Any], dict[str, torch.Tensor]]
+) -> None:
+    """Make this runner instance allocate its KV tensors with ``allocate``."""
+    model_runner._allocate_kv_cache_tensors = allocate
+
+
+def _keep_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+    del remove_weight  # the weight stays: it is what gets relocated
+    layer.cpu_linear = torch.nn.functional.linear  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def cpu_linear_keeps_weights() -> Iterator[None]:
+    import vllm.model_executor.layers.utils as utils
+
+    original = utils.dispatch_cpu_unquantized_gemm
+    utils.dispatch_cpu_unquantized_gemm = _keep_weight
+    try:
+        yield
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = original

@@ -1,0 +1,305 @@
+"""``--worker-cls``: the worker side of dynamic offloading.
+
+* ``load_model``: after vLLM loads the weights, pack every decoder layer into a VMM range
+  (:class:`~dynoff.compile_pass.placement.WeightPlacement`), pin the offloadable layers'
+  CPU copies and install the prefetch engine the custom ops call.
+* ``determine_available_memory``: report the KV bytes of the *highest* level's capacity, so
+  vLLM sizes ``num_blocks`` once for good; only level 0's groups get physical pages.
+* ``initialize_from_config``: KV tensors are VMM reservations (HACK, see :mod:`.hacks`).
+* ``execute_model``: apply the scheduler's :class:`OffloadCommand` before the forward
+  (raise: alias the layer, map its freed pages into the KV groups; lower: unmap the groups
+  after the device is idle, restore the layer), time the forward, and report back.
+
+Use ``DynamicOffloadWorker`` on CUDA and ``CPUDynamicOffloadWorker`` on vLLM's CPU engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_worker import Worker
+
+from dynoff.allocator import VmmArena
+from dynoff.allocator.kv_cache import VmmKVCache
+from dynoff.compile_pass import hacks, runtime
+from dynoff.compile_pass.placement import WeightPlacement
+from dynoff.compile_pass.prefetch import PrefetchEngine
+from dynoff.policy.block_pool import CapacityPlan
+from dynoff.policy.config import DynamicOffloadConfig
+from dynoff.policy.geometry import plan_for, recover_plan
+from dynoff.policy.messages import (
+    RUNNER_OUTPUT_ATTR,
+    SCHEDULER_OUTPUT_ATTR,
+    OffloadCommand,
+    ResizeOutcome,
+    StepReport,
+)
+from dynoff.policy.scheduler import page_size_for
+
+logger = init_logger(__name__)
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's decoder layers: the longest ``nn.ModuleList`` named ``layers``."""
+    best: nn.ModuleList | None = None
+    for name, module in model.named_modules():
+        is_layers = isinstance(module, nn.ModuleList) and name.split(".")[-1] == "layers"
+        if is_layers and (best is None or len(module) > len(best)):
+            best = module
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no decoder layers named `layers`")
+    return best
+
+
+def step_shape(scheduler_output: Any) -> tuple[int, int]:
+    """(decode tokens, prefill tokens) of a step: one-token requests decode."""
+    decode = prefill = 0
+    for num in scheduler_output.num_scheduled_tokens.values():
+        if num == 1:
+            decode += 1
+        else:
+            prefill += num
+    return decode, prefill
+
+
+@dataclasses.dataclass
+class _State:
+    config: DynamicOffloadConfig
+    arena: VmmArena
+    placement: WeightPlacement
+    engine: PrefetchEngine
+    runtime: runtime.OffloadRuntime
+    plan: CapacityPlan | None = None
+    kv: VmmKVCache | None = None
+    outcomes: list[ResizeOutcome] = dataclasses.field(default_factory=list)
+    step: int = -1
+    started: float = 0.0
+    shape: tuple[int, int] = (0, 0)
+
+
+class DynamicOffloadMixin:
+    """Shared by the CUDA and CPU workers (placed before vLLM's worker class in the MRO)."""
+
+    _dynoff: _State
+
+    # -- start-up -----------------------------------------------------------------------------
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        if getattr(vllm_config.scheduler_config, "use_v2_model_runner", False):
+            raise ValueError(
+                "dynamic offload supports vLLM's V1 model runner only (its KV allocation is "
+                "the one it can back with VMM); set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("dynamic offload does not support pipeline parallelism yet")
+        extra = vllm_config.additional_config
+        raw = extra.get(DynamicOffloadConfig.KEY) if isinstance(extra, dict) else None
+        config = DynamicOffloadConfig.from_dict(raw)
+        if current_platform.is_cpu():
+            with hacks.cpu_linear_keeps_weights():
+                super().load_model(*args, **kwargs)  # type: ignore[misc]
+        else:
+            super().load_model(*args, **kwargs)  # type: ignore[misc]
+        self._dynoff = self._place_weights(config)
+
+    def _place_weights(self, config: DynamicOffloadConfig) -> _State:
+        layers = find_decoder_layers(self.model_runner.get_model())  # type: ignore[attr-defined]
+        if current_platform.is_cpu():
+            arena = VmmArena("host", page_size=config.host_page_size)
+        else:
+            arena = VmmArena("cuda", device=torch.cuda.current_device())
+        probe = sum(p.numel() * p.element_size() for p in layers[0].parameters())
+        max_level = config.policy.resolve_max_level(
+            len(layers), probe, psutil.virtual_memory().available
+        )
+        placement = WeightPlacement(arena, layers, max_level)
+        if config.layer_bytes is not None and config.layer_bytes > placement.layer_bytes:
+            raise ValueError(
+                f"layer_bytes={config.layer_bytes} exceeds the real layer size "
+                f"{placement.layer_bytes}; leave it unset or lower it"
+            )
+        packs = placement.offloadable()
+        engine = PrefetchEngine(
+            {i: p.cpu for i, p in packs.items() if p.cpu is not None},
+            {i: p.flat for i, p in packs.items()},
+        )
+        rt = runtime.OffloadRuntime(len(layers), engine)
+        runtime.install(rt)
+        logger.info(
+            "dynamic offload: %d decoder layers of %.1f MiB packed into VMM (%s backend), "
+            "max level %d, %d layers pinned on the host",
+            len(layers),
+            placement.layer_bytes / 2**20,
+            arena.backend,
+            max_level,
+            len(packs),
+        )
+        return _State(config, arena, placement, engine, rt)
+
+    def determine_available_memory(self) -> int:
+        base_bytes = super().determine_available_memory()  # type: ignore[misc]
+        state = self._dynoff
+        strides = self._kv_strides()
+        per_block = sum(strides)
+        plan = plan_for(
+            strides,
+            base_bytes // per_block,
+            self._layer_bytes(),
+            state.placement.max_level,
+            page_size_for(state.config),
+        )
+        state.plan = plan
+        logger.info(
+            "dynamic offload: KV cache sized for level %d: %d blocks (%d mapped at level 0)",
+            plan.max_level,
+            plan.num_blocks,
+            plan.capacity_blocks(0),
+        )
+        return plan.num_blocks * per_block
+
+    def _kv_strides(self) -> tuple[int, ...]:
+        specs = self.model_runner.get_kv_cache_spec()  # type: ignore[attr-defined]
+        return tuple(spec.page_size_bytes for spec in specs.values())
+
+    def _layer_bytes(self) -> int:
+        state = self._dynoff
+        return state.config.layer_bytes or state.placement.layer_bytes
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        state = self._dynoff
+        plan, _ = recover_plan(
+            kv_cache_config,
+            self._layer_bytes(),
+            state.placement.max_level,
+            page_size_for(state.config),
+        )
+        state.plan = plan
+        state.kv = VmmKVCache(state.arena, kv_cache_config, plan.group_blocks, plan.groups_at(0))
+        kv = state.kv
+        hacks.route_kv_allocation(self.model_runner, lambda _config: kv.tensors())  # type: ignore[attr-defined]
+        super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
+
+    # -- per step -----------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: Any) -> Any:
+        state = self._dynoff
+        command = getattr(scheduler_output, SCHEDULER_OUTPUT_ATTR, None)
+        if command is not None:
+            state.outcomes.append(self._apply(command))
+        state.step += 1
+        state.shape = step_shape(scheduler_output)
+        if not current_platform.is_cpu():
+            torch.cuda.synchronize()
+        state.started = time.perf_counter()
+        output = super().execute_model(scheduler_output)  # type: ignore[misc]
+        return self._attach(output)
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        return self._attach(super().sample_tokens(*args, **kwargs))  # type: ignore[misc]
+
+    def _attach(self, output: Any) -> Any:
+        if output is None:
+            return None
+        if isinstance(output, AsyncModelRunnerOutput):
+            inner = output.get_output
+            output.get_output = lambda: self._attach(inner())  # type: ignore[method-assign]
+            return output
+        if not isinstance(output, ModelRunnerOutput):
+            return output
+        state = self._dynoff
+        if not current_platform.is_cpu():
+            torch.cuda.synchronize()
+        forward_ms = (time.perf_counter() - state.started) * 1e3
+        outcomes = self._gather(state.outcomes)
+        state.outcomes = []
+        decode, prefill = state.shape
+        report = StepReport(
+            state.step,
+            state.placement.level,
+            forward_ms,
+            prefill == 0,
+            decode,
+            prefill,
+            tuple(outcomes),
+        )
+        if output is EMPTY_MODEL_RUNNER_OUTPUT:
+            output = copy.copy(output)  # never mutate vLLM's shared empty output
+        setattr(output, RUNNER_OUTPUT_ATTR, report)
+        return output
+
+    def _gather(self, outcomes: list[ResizeOutcome]) -> list[ResizeOutcome]:
+        """Every rank's outcomes, on every rank (rank 0's report carries them)."""
+        world = self.vllm_config.parallel_config.world_size  # type: ignore[attr-defined]
+        if world == 1:
+            return outcomes
+        from vllm.distributed.parallel_state import get_world_group
+
+        gathered: list[list[ResizeOutcome]] = [[] for _ in range(world)]
+        torch.distributed.all_gather_object(gathered, outcomes, group=get_world_group().cpu_group)
+        return [o for rank in gathered for o in rank]
+
+    def _apply(self, command: OffloadCommand) -> ResizeOutcome:
+        """Apply one command; on failure everything stays at the old level."""
+        state = self._dynoff
+        rank = self.rank  # type: ignore[attr-defined]
+        start = time.perf_counter()
+        try:
+            assert state.kv is not None
+            if not current_platform.is_cpu():
+                torch.cuda.synchronize()  # no queued step may touch pages we unmap
+            state.engine.synchronize()
+            if command.target_level == state.placement.level + 1:
+                state.placement.raise_level()
+                try:
+                    state.kv.map_groups(command.map_groups)
+                except Exception:
+                    state.placement.lower_level()
+                    raise
+            elif command.target_level == state.placement.level - 1:
+                state.kv.unmap_groups(command.unmap_groups)
+                try:
+                    state.placement.lower_level()
+                except Exception:
+                    state.kv.map_groups(command.unmap_groups)
+                    raise
+            elif command.target_level != state.placement.level:
+                raise ValueError(
+                    f"command {command.command_id} jumps from level {state.placement.level} "
+                    f"to {command.target_level}; levels move one at a time"
+                )
+            state.runtime.set_level(state.placement.level)
+            return ResizeOutcome(
+                command.command_id, rank, True, remap_ms=(time.perf_counter() - start) * 1e3
+            )
+        except Exception as exc:  # reported to the scheduler, which keeps the old level
+            logger.warning(
+                "dynamic offload: command %d failed on rank %d: %s", command.command_id, rank, exc
+            )
+            return ResizeOutcome(command.command_id, rank, False, f"{type(exc).__name__}: {exc}")
+
+
+class CPUReferenceWorker(CPUWorker):
+    """vLLM's CPU worker with only the plugin's linear-layer path (no offloading): the
+    baseline the CPU token-identity tests compare against, since the plugin's CPU path
+    computes linears with ``F.linear`` on the Parameter rather than oneDNN's packed copy."""
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        with hacks.cpu_linear_keeps_weights():
+            super().load_model(*args, **kwargs)
+
+
+class DynamicOffloadWorker(DynamicOffloadMixin, Worker):
+    """``--worker-cls dynoff.compile_pass.worker.DynamicOffloadWorker`` (CUDA)."""
+
+
+class CPUDynamicOffloadWorker(DynamicOffloadMixin, CPUWorker):
+    """``--worker-cls dynoff.compile_pass.worker.CPUDynamicOffloadWorker`` (vLLM's CPU engine)."""

@@ -1,0 +1,52 @@
+"""Run one vLLM CPU engine over a fixed workload and write its outputs as JSON (used by the
+end-to-end tests, one engine per process).
+
+    python -m bench.cpu_engine_run MODE MODEL OUT_JSON [--trace PATH]
+
+MODE: ``reference`` (no offloading, the plugin's CPU linear path), ``forced`` (the plugin
+with a level schedule 0 -> 2 -> 1 -> 2 -> 0 while 6 requests decode), ``live`` (the plugin's
+policy under a burst of 24 requests, then a light tail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.cpu_demo import engine_kwargs, generate, prompts, summarize_trace
+
+FORCED_LEVELS = [[0, 0], [3, 2], [12, 1], [20, 2], [40, 0]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["reference", "forced", "live"])
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--trace", default=None)
+    args = parser.parse_args()
+
+    from vllm import LLM
+
+    offload: dict[str, Any] | None = None
+    if args.mode != "reference":
+        offload = {"host_page_size": 64 << 10, "trace_path": args.trace}
+        if args.mode == "forced":
+            offload["level_schedule"] = FORCED_LEVELS
+        else:
+            offload["policy"] = {"cooldown_steps": 4, "high_threshold": 0.8, "low_threshold": 0.3}
+    llm = LLM(**engine_kwargs(args.model, offload, kv_bytes=4 << 20))
+    if args.mode == "live":
+        outputs = generate(llm, prompts(24, 64), 64) + generate(llm, prompts(2, 16, 5), 160)
+    else:
+        outputs = generate(llm, [p for i, p in enumerate(prompts(6, 40)) if i < 6], 24)
+    result: dict[str, Any] = {"outputs": outputs}
+    if args.trace:
+        result["trace"] = summarize_trace(Path(args.trace))
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""vLLM's real CPU engine with the plugin (a small Llama with random weights that matter,
+greedy sampling), one engine per subprocess.
+
+* Forced level schedule (0 -> 2 -> 1 -> 2 -> 0 while decoding): outputs token-identical to
+  the same engine without offloading. The 6 requests fit level 0's KV capacity, so both
+  engines schedule identical batches and any difference would come from the weights.
+* Live policy under a burst then a light tail: every request completes, the level climbs
+  and comes back down, and the KV capacity the scheduler sees follows it. (Batches then
+  differ from a fixed-capacity engine, so CPU numerics may legitimately differ there.)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.tiny_checkpoint import make_checkpoint
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_checkpoint(tmp_path_factory.mktemp("model") / "small-llama"))
+
+
+def run_engine(mode: str, model: str, tmp: Path) -> dict:
+    out, trace = tmp / f"{mode}.json", tmp / f"{mode}.jsonl"
+    cmd = [sys.executable, "-m", "bench.cpu_engine_run", mode, model, str(out)]
+    if mode != "reference":
+        cmd += ["--trace", str(trace)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_forced_levels_are_token_identical_to_no_offload(model: str, tmp_path: Path) -> None:
+    reference = run_engine("reference", model, tmp_path)
+    forced = run_engine("forced", model, tmp_path)
+    assert len(forced["outputs"]) == 6 and all(len(o) == 24 for o in forced["outputs"])
+    assert forced["outputs"] == reference["outputs"]
+    trace = forced["trace"]
+    visited = trace["levels_visited"]
+    assert trace["level_changes"] >= 4 and max(visited) == 2
+    assert any(b < a for a, b in zip(visited, visited[1:], strict=False))  # went down too
+    capacity = trace["capacity_blocks_by_level"]
+    assert capacity["0"] < capacity["1"] < capacity["2"]
+
+
+def test_live_policy_rises_under_a_burst_and_falls_after(model: str, tmp_path: Path) -> None:
+    live = run_engine("live", model, tmp_path)
+    assert len(live["outputs"]) == 26
+    assert all(len(o) == 64 for o in live["outputs"][:24])
+    assert all(len(o) == 160 for o in live["outputs"][24:])
+    trace = live["trace"]
+    assert trace["max_waiting"] > 0  # the burst really queued
+    assert max(trace["levels_visited"]) >= 2
+    assert trace["levels_visited"][-1] == 0  # back down once the tail left the KV idle
+    assert trace["level_changes"] >= 4
+    capacity = trace["capacity_blocks_by_level"]
+    assert len(set(capacity.values())) >= 3

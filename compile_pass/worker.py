@@ -32,6 +32,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from dynoff.allocator import VmmArena
 from dynoff.allocator.kv_cache import VmmKVCache
 from dynoff.compile_pass import hacks, runtime
+from dynoff.compile_pass.levels import LevelChanger, gather_outcomes
 from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.policy.block_pool import CapacityPlan
@@ -40,7 +41,6 @@ from dynoff.policy.geometry import plan_for, recover_plan
 from dynoff.policy.messages import (
     RUNNER_OUTPUT_ATTR,
     SCHEDULER_OUTPUT_ATTR,
-    OffloadCommand,
     ResizeOutcome,
     StepReport,
 )
@@ -81,6 +81,7 @@ class _State:
     runtime: runtime.OffloadRuntime
     plan: CapacityPlan | None = None
     kv: VmmKVCache | None = None
+    levels: LevelChanger | None = None
     outcomes: list[ResizeOutcome] = dataclasses.field(default_factory=list)
     step: int = -1
     started: float = 0.0
@@ -186,6 +187,15 @@ class DynamicOffloadMixin:
         state.plan = plan
         state.kv = VmmKVCache(state.arena, kv_cache_config, plan.group_blocks, plan.groups_at(0))
         kv = state.kv
+        sync = (lambda: None) if current_platform.is_cpu() else torch.cuda.synchronize
+        state.levels = LevelChanger(
+            self.rank,  # type: ignore[attr-defined]
+            state.placement,
+            kv,
+            state.engine,
+            state.runtime,
+            sync,
+        )
         hacks.route_kv_allocation(self.model_runner, lambda _config: kv.tensors())  # type: ignore[attr-defined]
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
 
@@ -194,7 +204,8 @@ class DynamicOffloadMixin:
         state = self._dynoff
         command = getattr(scheduler_output, SCHEDULER_OUTPUT_ATTR, None)
         if command is not None:
-            state.outcomes.append(self._apply(command))
+            assert state.levels is not None
+            state.outcomes += state.levels.apply_everywhere(command, self._gather)
         state.step += 1
         state.shape = step_shape(scheduler_output)
         if not current_platform.is_cpu():
@@ -219,8 +230,7 @@ class DynamicOffloadMixin:
         if not current_platform.is_cpu():
             torch.cuda.synchronize()
         forward_ms = (time.perf_counter() - state.started) * 1e3
-        outcomes = self._gather(state.outcomes)
-        state.outcomes = []
+        outcomes, state.outcomes = state.outcomes, []
         decode, prefill = state.shape
         report = StepReport(
             state.step,
@@ -243,48 +253,7 @@ class DynamicOffloadMixin:
             return outcomes
         from vllm.distributed.parallel_state import get_world_group
 
-        gathered: list[list[ResizeOutcome]] = [[] for _ in range(world)]
-        torch.distributed.all_gather_object(gathered, outcomes, group=get_world_group().cpu_group)
-        return [o for rank in gathered for o in rank]
-
-    def _apply(self, command: OffloadCommand) -> ResizeOutcome:
-        """Apply one command; on failure everything stays at the old level."""
-        state = self._dynoff
-        rank = self.rank  # type: ignore[attr-defined]
-        start = time.perf_counter()
-        try:
-            assert state.kv is not None
-            if not current_platform.is_cpu():
-                torch.cuda.synchronize()  # no queued step may touch pages we unmap
-            state.engine.synchronize()
-            if command.target_level == state.placement.level + 1:
-                state.placement.raise_level()
-                try:
-                    state.kv.map_groups(command.map_groups)
-                except Exception:
-                    state.placement.lower_level()
-                    raise
-            elif command.target_level == state.placement.level - 1:
-                state.kv.unmap_groups(command.unmap_groups)
-                try:
-                    state.placement.lower_level()
-                except Exception:
-                    state.kv.map_groups(command.unmap_groups)
-                    raise
-            elif command.target_level != state.placement.level:
-                raise ValueError(
-                    f"command {command.command_id} jumps from level {state.placement.level} "
-                    f"to {command.target_level}; levels move one at a time"
-                )
-            state.runtime.set_level(state.placement.level)
-            return ResizeOutcome(
-                command.command_id, rank, True, remap_ms=(time.perf_counter() - start) * 1e3
-            )
-        except Exception as exc:  # reported to the scheduler, which keeps the old level
-            logger.warning(
-                "dynamic offload: command %d failed on rank %d: %s", command.command_id, rank, exc
-            )
-            return ResizeOutcome(command.command_id, rank, False, f"{type(exc).__name__}: {exc}")
+        return gather_outcomes(outcomes, world, get_world_group().cpu_group)
 
 
 class CPUReferenceWorker(CPUWorker):

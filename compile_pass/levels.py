@@ -1,0 +1,135 @@
+"""Applying an :class:`OffloadCommand` on one rank, and agreeing on it across ranks.
+
+Every rank gets the same command with the same step's ``SchedulerOutput``, applies it to its
+own weights and KV ranges, then all ranks exchange outcomes (``all_gather_object`` on the CPU
+group, before the forward). If any rank failed, the ranks that succeeded undo their change,
+so all ranks run the step at the same level, the old one; the scheduler sees every rank's
+outcome in rank 0's report and keeps the old level too.
+
+raise k -> k+1: alias layer k+N/2 onto layer k's pages, map the freed pages into the tier's
+KV groups. lower k+1 -> k: (device idle) unmap the groups, give layer k+N/2 its pages back
+and restore both layers from pinned memory. Each step is a VMM transaction; a failure in
+the second step undoes the first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from dynoff.allocator.kv_cache import VmmKVCache
+from dynoff.compile_pass.placement import WeightPlacement
+from dynoff.compile_pass.prefetch import PrefetchEngine
+from dynoff.compile_pass.runtime import OffloadRuntime
+from dynoff.policy.messages import OffloadCommand, ResizeOutcome
+
+logger = logging.getLogger("vllm.dynoff.levels")
+
+Gather = Callable[[list[ResizeOutcome]], list[ResizeOutcome]]
+
+
+def gather_outcomes(
+    outcomes: list[ResizeOutcome], world_size: int, group: object = None
+) -> list[ResizeOutcome]:
+    """Every rank's outcomes on every rank (``torch.distributed``, a CPU/gloo group)."""
+    import torch.distributed as dist
+
+    gathered: list[list[ResizeOutcome]] = [[] for _ in range(world_size)]
+    dist.all_gather_object(gathered, outcomes, group=group)
+    return [o for rank in gathered for o in rank]
+
+
+class LevelChanger:
+    """One rank's weights, KV cache, engine and runtime, moved together between levels."""
+
+    def __init__(
+        self,
+        rank: int,
+        placement: WeightPlacement,
+        kv: VmmKVCache,
+        engine: PrefetchEngine,
+        runtime: OffloadRuntime,
+        device_sync: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.rank = rank
+        self.placement = placement
+        self.kv = kv
+        self.engine = engine
+        self.runtime = runtime
+        self.device_sync = device_sync
+
+    @property
+    def level(self) -> int:
+        return self.placement.level
+
+    def apply(self, command: OffloadCommand) -> ResizeOutcome:
+        """Apply locally; on failure this rank stays at its old level."""
+        start = time.perf_counter()
+        try:
+            self.device_sync()  # no queued step may touch pages we unmap
+            self.engine.synchronize()
+            if command.target_level == self.level + 1:
+                self._raise(command)
+            elif command.target_level == self.level - 1:
+                self._lower(command.unmap_groups)
+            elif command.target_level != self.level:
+                raise ValueError(
+                    f"command {command.command_id} jumps from level {self.level} to "
+                    f"{command.target_level}; levels move one at a time"
+                )
+            self.runtime.set_level(self.level)
+            elapsed = (time.perf_counter() - start) * 1e3
+            return ResizeOutcome(command.command_id, self.rank, True, remap_ms=elapsed)
+        except Exception as exc:  # reported; the scheduler keeps the old level
+            logger.warning(
+                "dynamic offload: command %d failed on rank %d: %s",
+                command.command_id,
+                self.rank,
+                exc,
+            )
+            return ResizeOutcome(
+                command.command_id, self.rank, False, f"{type(exc).__name__}: {exc}"
+            )
+
+    def _raise(self, command: OffloadCommand) -> None:
+        self.placement.raise_level()
+        try:
+            self.kv.map_groups(command.map_groups)
+        except Exception:
+            self.placement.lower_level()
+            raise
+
+    def _lower(self, groups: tuple[int, ...]) -> None:
+        self.kv.unmap_groups(groups)
+        try:
+            self.placement.lower_level()
+        except Exception:
+            self.kv.map_groups(groups)
+            raise
+
+    def revert(self, command: OffloadCommand, old_level: int) -> None:
+        """Undo a command this rank applied because another rank failed it."""
+        self.device_sync()
+        self.engine.synchronize()
+        if self.level == old_level + 1:
+            self._lower(command.map_groups)
+        elif self.level == old_level - 1:
+            self.placement.raise_level()
+            self.kv.map_groups(command.unmap_groups)
+        self.runtime.set_level(self.level)
+
+    def apply_everywhere(self, command: OffloadCommand, gather: Gather) -> list[ResizeOutcome]:
+        """Apply, exchange outcomes with every rank, and roll back if any rank failed."""
+        old_level = self.level
+        mine = self.apply(command)
+        outcomes = gather([mine])
+        if mine.ok and not all(o.ok for o in outcomes):
+            self.revert(command, old_level)
+            logger.warning(
+                "dynamic offload: command %d rolled back on rank %d (failed on %s)",
+                command.command_id,
+                self.rank,
+                [o.rank for o in outcomes if not o.ok],
+            )
+        return outcomes

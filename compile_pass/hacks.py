@@ -6,6 +6,11 @@ Written against vLLM 0.26.0; ``tests/compile_pass/test_hacks.py`` fails if eithe
    allocates the KV buffers with ``torch.zeros``. The worker replaces it *on its own runner
    instance* with a function returning VMM-backed tensors (reserved for the largest
    capacity, mostly unmapped, never zero-filled). vLLM has no hook for this.
+3. ``CudagraphDispatcher.dispatch(num_tokens, uniform_decode, has_lora, num_active_loras,
+   valid_modes, invalid_modes)``: while any layer is offloaded (k > 0), the worker adds
+   ``FULL`` to ``invalid_modes`` on its own runner's dispatcher, so the step replays the
+   piecewise graphs and the ops run between pieces; at k = 0 vLLM's FULL decode graphs run
+   untouched (the ops were captured in them as no-ops).
 2. ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight)``
    on the CPU platform hands each linear layer's weight to oneDNN (a private packed copy)
    and drops the Parameter. During ``load_model`` only, the worker swaps it for a version
@@ -29,6 +34,29 @@ def route_kv_allocation(
 ) -> None:
     """Make this runner instance allocate its KV tensors with ``allocate``."""
     model_runner._allocate_kv_cache_tensors = allocate
+
+
+def steer_cudagraph_dispatch(dispatcher: Any, level: Callable[[], int]) -> None:
+    """Route steps to the piecewise graphs while ``level() > 0`` (this dispatcher only)."""
+    from vllm.config import CUDAGraphMode
+
+    original = dispatcher.dispatch
+
+    def dispatch(
+        num_tokens: int,
+        uniform_decode: bool = False,
+        has_lora: bool = False,
+        num_active_loras: int = 0,
+        valid_modes: Any = None,
+        invalid_modes: Any = None,
+    ) -> Any:
+        if level() > 0:
+            invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
+        return original(
+            num_tokens, uniform_decode, has_lora, num_active_loras, valid_modes, invalid_modes
+        )
+
+    dispatcher.dispatch = dispatch
 
 
 def _keep_weight(layer: torch.nn.Module, remove_weight: bool) -> None:

@@ -61,6 +61,25 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
     return best
 
 
+STEERABLE_MODES = ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE")
+
+
+def check_gpu_config(vllm_config: Any) -> None:
+    """Refuse what the plugin cannot serve correctly, with the reason and the fix."""
+    if vllm_config.model_config.enable_sleep_mode:
+        raise ValueError(
+            "dynamic offload owns the weights' and KV cache's memory through CUDA VMM; "
+            "vLLM's sleep mode (CuMemAllocator) would free it underneath: drop --enable-sleep-mode"
+        )
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is not None and mode.name not in STEERABLE_MODES:
+        raise ValueError(
+            f"cudagraph_mode={mode.name}: with k > 0 the plugin must route steps to piecewise "
+            f"graphs, which this mode does not capture; use one of {STEERABLE_MODES} "
+            "(the default FULL_AND_PIECEWISE keeps FULL decode graphs at k = 0)"
+        )
+
+
 def step_shape(scheduler_output: Any) -> tuple[int, int]:
     """(decode tokens, prefill tokens) of a step: one-token requests decode."""
     decode = prefill = 0
@@ -103,6 +122,8 @@ class DynamicOffloadMixin:
             )
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("dynamic offload does not support pipeline parallelism yet")
+        if not current_platform.is_cpu():
+            check_gpu_config(vllm_config)
         extra = vllm_config.additional_config
         raw = extra.get(DynamicOffloadConfig.KEY) if isinstance(extra, dict) else None
         config = DynamicOffloadConfig.from_dict(raw)
@@ -196,6 +217,10 @@ class DynamicOffloadMixin:
             state.runtime,
             sync,
         )
+        dispatcher = getattr(self.model_runner, "cudagraph_dispatcher", None)  # type: ignore[attr-defined]
+        if dispatcher is not None and not current_platform.is_cpu():
+            runtime_ = state.runtime
+            hacks.steer_cudagraph_dispatch(dispatcher, lambda: runtime_.level)
         hacks.route_kv_allocation(self.model_runner, lambda _config: kv.tensors())  # type: ignore[attr-defined]
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
 

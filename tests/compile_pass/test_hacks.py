@@ -35,3 +35,36 @@ def test_cpu_linear_dispatch_signature_and_call_site() -> None:
     with hacks.cpu_linear_keeps_weights():
         assert utils.dispatch_cpu_unquantized_gemm is hacks._keep_weight
     assert utils.dispatch_cpu_unquantized_gemm is not hacks._keep_weight
+
+
+def test_dispatch_signature_and_steering() -> None:
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    params = list(inspect.signature(CudagraphDispatcher.dispatch).parameters)
+    assert params == [
+        "self",
+        "num_tokens",
+        "uniform_decode",
+        "has_lora",
+        "num_active_loras",
+        "valid_modes",
+        "invalid_modes",
+    ]
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list = []
+
+        def dispatch(self, *args: object) -> object:
+            self.calls.append(args)
+            return args
+
+    level = [0]
+    recorder = Recorder()
+    hacks.steer_cudagraph_dispatch(recorder, lambda: level[0])
+    recorder.dispatch(8, True)
+    assert recorder.calls[-1][-1] is None  # k = 0: vLLM decides (FULL decode graphs)
+    level[0] = 2
+    recorder.dispatch(8, True, False, 0, None, {CUDAGraphMode.NONE})
+    assert recorder.calls[-1][-1] == {CUDAGraphMode.NONE, CUDAGraphMode.FULL}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 from typing import Any
 
 import psutil
@@ -35,6 +34,7 @@ from dynoff.compile_pass import hacks, runtime
 from dynoff.compile_pass.levels import LevelChanger, gather_outcomes
 from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
+from dynoff.compile_pass.timing import StepTimer, Timed
 from dynoff.policy.block_pool import CapacityPlan
 from dynoff.policy.config import DynamicOffloadConfig
 from dynoff.policy.geometry import plan_for, recover_plan
@@ -80,6 +80,15 @@ def check_gpu_config(vllm_config: Any) -> None:
         )
 
 
+def with_report(output: Any, report: StepReport) -> Any:
+    if not isinstance(output, ModelRunnerOutput):
+        return output
+    if output is EMPTY_MODEL_RUNNER_OUTPUT:
+        output = copy.copy(output)  # never mutate vLLM's shared empty output
+    setattr(output, RUNNER_OUTPUT_ATTR, report)
+    return output
+
+
 def step_shape(scheduler_output: Any) -> tuple[int, int]:
     """(decode tokens, prefill tokens) of a step: one-token requests decode."""
     decode = prefill = 0
@@ -103,8 +112,9 @@ class _State:
     levels: LevelChanger | None = None
     outcomes: list[ResizeOutcome] = dataclasses.field(default_factory=list)
     step: int = -1
-    started: float = 0.0
-    shape: tuple[int, int] = (0, 0)
+    timer: StepTimer = dataclasses.field(
+        default_factory=lambda: StepTimer(cuda=not current_platform.is_cpu())
+    )
 
 
 class DynamicOffloadMixin:
@@ -232,10 +242,8 @@ class DynamicOffloadMixin:
             assert state.levels is not None
             state.outcomes += state.levels.apply_everywhere(command, self._gather)
         state.step += 1
-        state.shape = step_shape(scheduler_output)
-        if not current_platform.is_cpu():
-            torch.cuda.synchronize()
-        state.started = time.perf_counter()
+        decode, prefill = step_shape(scheduler_output)
+        state.timer.start(Timed(state.step, state.placement.level, decode, prefill))
         output = super().execute_model(scheduler_output)  # type: ignore[misc]
         return self._attach(output)
 
@@ -243,33 +251,29 @@ class DynamicOffloadMixin:
         return self._attach(super().sample_tokens(*args, **kwargs))  # type: ignore[misc]
 
     def _attach(self, output: Any) -> Any:
+        """Attach this step's report (rank 0's output reaches the scheduler)."""
         if output is None:
             return None
-        if isinstance(output, AsyncModelRunnerOutput):
-            inner = output.get_output
-            output.get_output = lambda: self._attach(inner())  # type: ignore[method-assign]
-            return output
-        if not isinstance(output, ModelRunnerOutput):
-            return output
         state = self._dynoff
-        if not current_platform.is_cpu():
-            torch.cuda.synchronize()
-        forward_ms = (time.perf_counter() - state.started) * 1e3
+        state.timer.stop()
+        timed = state.timer.latest_finished()
         outcomes, state.outcomes = state.outcomes, []
-        decode, prefill = state.shape
+        if timed is None:  # nothing finished yet: report the resize outcomes only
+            timed = Timed(state.step, state.placement.level, 0, 0)
         report = StepReport(
-            state.step,
-            state.placement.level,
-            forward_ms,
-            prefill == 0,
-            decode,
-            prefill,
+            timed.step,
+            timed.level,
+            timed.forward_ms,
+            timed.prefill_tokens == 0,
+            timed.decode_tokens,
+            timed.prefill_tokens,
             tuple(outcomes),
         )
-        if output is EMPTY_MODEL_RUNNER_OUTPUT:
-            output = copy.copy(output)  # never mutate vLLM's shared empty output
-        setattr(output, RUNNER_OUTPUT_ATTR, report)
-        return output
+        if isinstance(output, AsyncModelRunnerOutput):
+            inner = output.get_output
+            output.get_output = lambda: with_report(inner(), report)  # type: ignore[method-assign]
+            return output
+        return with_report(output, report)
 
     def _gather(self, outcomes: list[ResizeOutcome]) -> list[ResizeOutcome]:
         """Every rank's outcomes, on every rank (rank 0's report carries them)."""

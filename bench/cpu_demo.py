@@ -16,8 +16,8 @@ from typing import Any
 
 from bench.tiny_checkpoint import make_checkpoint
 
-WORKER = "dynoff.compile_pass.worker.CPUDynamicOffloadWorker"
-REFERENCE_WORKER = "dynoff.compile_pass.worker.CPUReferenceWorker"
+WORKER = "dynoff.compile_pass.cpu_worker.CPUDynamicOffloadWorker"
+REFERENCE_WORKER = "dynoff.compile_pass.cpu_worker.CPUReferenceWorker"
 SCHEDULER = "dynoff.policy.scheduler.DynamicOffloadScheduler"
 PASS = {"inductor_passes": {"post_grad_custom_post_pass": "dynoff.LAYER_PREFETCH_PASS"}}
 

@@ -1,0 +1,286 @@
+"""The worker side of dynamic offloading, shared by the CUDA and CPU worker classes.
+
+* ``load_model``: after vLLM loads the weights, pack every decoder layer into a VMM range
+  (:class:`~dynoff.compile_pass.placement.WeightPlacement`), pin the offloadable layers'
+  CPU copies and install the prefetch engine the custom ops call.
+* ``determine_available_memory``: report the KV bytes of the *highest* level's capacity, so
+  vLLM sizes ``num_blocks`` once for good; only level 0's groups get physical pages.
+* ``initialize_from_config``: KV tensors are VMM reservations (HACK, see :mod:`.hacks`).
+* ``execute_model``: apply the scheduler's :class:`OffloadCommand` before the forward
+  (raise: alias the layer, map its freed pages into the KV groups; lower: unmap the groups
+  after the device is idle, restore the layer), time the forward, and report back.
+
+Concrete classes: ``dynoff.compile_pass.worker.DynamicOffloadWorker`` (CUDA) and
+``dynoff.compile_pass.cpu_worker.CPUDynamicOffloadWorker`` (vLLM's CPU engine). They live in
+separate modules because importing vLLM's CPU worker replaces ``torch.cuda.Event`` and
+friends process-wide (``vllm/v1/worker/cpu/shm.py``), which breaks CUDA (seen on the H200).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
+
+from dynoff.allocator import VmmArena
+from dynoff.allocator.kv_cache import VmmKVCache
+from dynoff.compile_pass import hacks, runtime
+from dynoff.compile_pass.levels import LevelChanger, gather_outcomes
+from dynoff.compile_pass.placement import WeightPlacement
+from dynoff.compile_pass.prefetch import PrefetchEngine
+from dynoff.compile_pass.timing import StepTimer, Timed
+from dynoff.policy.block_pool import CapacityPlan
+from dynoff.policy.config import DynamicOffloadConfig
+from dynoff.policy.geometry import plan_for, recover_plan
+from dynoff.policy.messages import (
+    RUNNER_OUTPUT_ATTR,
+    SCHEDULER_OUTPUT_ATTR,
+    ResizeOutcome,
+    StepReport,
+)
+from dynoff.policy.scheduler import page_size_for
+
+logger = init_logger(__name__)
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's decoder layers: the longest ``nn.ModuleList`` named ``layers``."""
+    best: nn.ModuleList | None = None
+    for name, module in model.named_modules():
+        is_layers = isinstance(module, nn.ModuleList) and name.split(".")[-1] == "layers"
+        if is_layers and (best is None or len(module) > len(best)):
+            best = module
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no decoder layers named `layers`")
+    return best
+
+
+STEERABLE_MODES = ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE")
+
+
+def check_gpu_config(vllm_config: Any) -> None:
+    """Refuse what the plugin cannot serve correctly, with the reason and the fix."""
+    if vllm_config.model_config.enable_sleep_mode:
+        raise ValueError(
+            "dynamic offload owns the weights' and KV cache's memory through CUDA VMM; "
+            "vLLM's sleep mode (CuMemAllocator) would free it underneath: drop --enable-sleep-mode"
+        )
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is not None and mode.name not in STEERABLE_MODES:
+        raise ValueError(
+            f"cudagraph_mode={mode.name}: with k > 0 the plugin must route steps to piecewise "
+            f"graphs, which this mode does not capture; use one of {STEERABLE_MODES} "
+            "(the default FULL_AND_PIECEWISE keeps FULL decode graphs at k = 0)"
+        )
+
+
+def with_report(output: Any, report: StepReport) -> Any:
+    if not isinstance(output, ModelRunnerOutput):
+        return output
+    if output is EMPTY_MODEL_RUNNER_OUTPUT:
+        output = copy.copy(output)  # never mutate vLLM's shared empty output
+    setattr(output, RUNNER_OUTPUT_ATTR, report)
+    return output
+
+
+def step_shape(scheduler_output: Any) -> tuple[int, int]:
+    """(decode tokens, prefill tokens) of a step: one-token requests decode."""
+    decode = prefill = 0
+    for num in scheduler_output.num_scheduled_tokens.values():
+        if num == 1:
+            decode += 1
+        else:
+            prefill += num
+    return decode, prefill
+
+
+@dataclasses.dataclass
+class _State:
+    config: DynamicOffloadConfig
+    arena: VmmArena
+    placement: WeightPlacement
+    engine: PrefetchEngine
+    runtime: runtime.OffloadRuntime
+    plan: CapacityPlan | None = None
+    kv: VmmKVCache | None = None
+    levels: LevelChanger | None = None
+    outcomes: list[ResizeOutcome] = dataclasses.field(default_factory=list)
+    step: int = -1
+    timer: StepTimer = dataclasses.field(
+        default_factory=lambda: StepTimer(cuda=not current_platform.is_cpu())
+    )
+
+
+class DynamicOffloadMixin:
+    """Shared by the CUDA and CPU workers (placed before vLLM's worker class in the MRO)."""
+
+    _dynoff: _State
+
+    # -- start-up -----------------------------------------------------------------------------
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        if getattr(vllm_config, "use_v2_model_runner", False):
+            raise ValueError(
+                "dynamic offload supports vLLM's V1 model runner only (its KV allocation is "
+                "the one it can back with VMM); set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("dynamic offload does not support pipeline parallelism yet")
+        if not current_platform.is_cpu():
+            check_gpu_config(vllm_config)
+        extra = vllm_config.additional_config
+        raw = extra.get(DynamicOffloadConfig.KEY) if isinstance(extra, dict) else None
+        config = DynamicOffloadConfig.from_dict(raw)
+        if current_platform.is_cpu():
+            with hacks.cpu_linear_keeps_weights():
+                super().load_model(*args, **kwargs)  # type: ignore[misc]
+        else:
+            super().load_model(*args, **kwargs)  # type: ignore[misc]
+        self._dynoff = self._place_weights(config)
+
+    def _place_weights(self, config: DynamicOffloadConfig) -> _State:
+        layers = find_decoder_layers(self.model_runner.get_model())  # type: ignore[attr-defined]
+        if current_platform.is_cpu():
+            arena = VmmArena("host", page_size=config.host_page_size)
+        else:
+            arena = VmmArena("cuda", device=torch.cuda.current_device())
+        probe = sum(p.numel() * p.element_size() for p in layers[0].parameters())
+        max_level = config.policy.resolve_max_level(
+            len(layers), probe, psutil.virtual_memory().available
+        )
+        placement = WeightPlacement(arena, layers, max_level)
+        if config.layer_bytes is not None and config.layer_bytes > placement.layer_bytes:
+            raise ValueError(
+                f"layer_bytes={config.layer_bytes} exceeds the real layer size "
+                f"{placement.layer_bytes}; leave it unset or lower it"
+            )
+        packs = placement.offloadable()
+        engine = PrefetchEngine(
+            {i: p.cpu for i, p in packs.items() if p.cpu is not None},
+            {i: p.flat for i, p in packs.items()},
+        )
+        rt = runtime.OffloadRuntime(len(layers), engine)
+        runtime.install(rt)
+        logger.info(
+            "dynamic offload: %d decoder layers of %.1f MiB packed into VMM (%s backend), "
+            "max level %d, %d layers pinned on the host",
+            len(layers),
+            placement.layer_bytes / 2**20,
+            arena.backend,
+            max_level,
+            len(packs),
+        )
+        return _State(config, arena, placement, engine, rt)
+
+    def determine_available_memory(self) -> int:
+        base_bytes = super().determine_available_memory()  # type: ignore[misc]
+        state = self._dynoff
+        strides = self._kv_strides()
+        per_block = sum(strides)
+        plan = plan_for(
+            strides,
+            base_bytes // per_block,
+            self._layer_bytes(),
+            state.placement.max_level,
+            page_size_for(state.config),
+        )
+        state.plan = plan
+        logger.info(
+            "dynamic offload: KV cache sized for level %d: %d blocks (%d mapped at level 0)",
+            plan.max_level,
+            plan.num_blocks,
+            plan.capacity_blocks(0),
+        )
+        return plan.num_blocks * per_block
+
+    def _kv_strides(self) -> tuple[int, ...]:
+        specs = self.model_runner.get_kv_cache_spec()  # type: ignore[attr-defined]
+        return tuple(spec.page_size_bytes for spec in specs.values())
+
+    def _layer_bytes(self) -> int:
+        state = self._dynoff
+        return state.config.layer_bytes or state.placement.layer_bytes
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        state = self._dynoff
+        plan, _ = recover_plan(
+            kv_cache_config,
+            self._layer_bytes(),
+            state.placement.max_level,
+            page_size_for(state.config),
+        )
+        state.plan = plan
+        state.kv = VmmKVCache(state.arena, kv_cache_config, plan.group_blocks, plan.groups_at(0))
+        kv = state.kv
+        sync = (lambda: None) if current_platform.is_cpu() else torch.cuda.synchronize
+        state.levels = LevelChanger(
+            self.rank,  # type: ignore[attr-defined]
+            state.placement,
+            kv,
+            state.engine,
+            state.runtime,
+            sync,
+        )
+        dispatcher = getattr(self.model_runner, "cudagraph_dispatcher", None)  # type: ignore[attr-defined]
+        if dispatcher is not None and not current_platform.is_cpu():
+            runtime_ = state.runtime
+            hacks.steer_cudagraph_dispatch(dispatcher, lambda: runtime_.level)
+        hacks.route_kv_allocation(self.model_runner, lambda _config: kv.tensors())  # type: ignore[attr-defined]
+        super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
+
+    # -- per step -----------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: Any) -> Any:
+        state = self._dynoff
+        command = getattr(scheduler_output, SCHEDULER_OUTPUT_ATTR, None)
+        if command is not None:
+            assert state.levels is not None
+            state.outcomes += state.levels.apply_everywhere(command, self._gather)
+        state.step += 1
+        decode, prefill = step_shape(scheduler_output)
+        state.timer.start(Timed(state.step, state.placement.level, decode, prefill))
+        output = super().execute_model(scheduler_output)  # type: ignore[misc]
+        return self._attach(output)
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        return self._attach(super().sample_tokens(*args, **kwargs))  # type: ignore[misc]
+
+    def _attach(self, output: Any) -> Any:
+        """Attach this step's report (rank 0's output reaches the scheduler)."""
+        if output is None:
+            return None
+        state = self._dynoff
+        state.timer.stop()
+        timed = state.timer.latest_finished()
+        outcomes, state.outcomes = state.outcomes, []
+        if timed is None:  # nothing finished yet: report the resize outcomes only
+            timed = Timed(state.step, state.placement.level, 0, 0)
+        report = StepReport(
+            timed.step,
+            timed.level,
+            timed.forward_ms,
+            timed.prefill_tokens == 0,
+            timed.decode_tokens,
+            timed.prefill_tokens,
+            tuple(outcomes),
+        )
+        if isinstance(output, AsyncModelRunnerOutput):
+            inner = output.get_output
+            output.get_output = lambda: with_report(inner(), report)  # type: ignore[method-assign]
+            return output
+        return with_report(output, report)
+
+    def _gather(self, outcomes: list[ResizeOutcome]) -> list[ResizeOutcome]:
+        """Every rank's outcomes, on every rank (rank 0's report carries them)."""
+        world = self.vllm_config.parallel_config.world_size  # type: ignore[attr-defined]
+        if world == 1:
+            return outcomes
+        from vllm.distributed.parallel_state import get_world_group
+
+        return gather_outcomes(outcomes, world, get_world_group().cpu_group)

@@ -105,6 +105,10 @@ class DynamicOffloadConfig:
         host_page_size: page size of the host VMM backend (CPU runs); CUDA uses 2 MiB.
         layer_bytes: bytes of one decoder layer's weights; ``None`` = computed from the
             model config (the worker checks it against the real parameters).
+        h2d_GBps: host-to-device bandwidth for the ``model`` estimator (53 GB/s measured on
+            the H200's PCIe Gen5 link, ``bench/results/prefetch_h200.json``).
+        piecewise_penalty_ms: extra step time of the piecewise path while k > 0, for the
+            ``model`` estimator (8.3 ms on Qwen3-8B at batch 128 on the H200).
     """
 
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
@@ -112,6 +116,8 @@ class DynamicOffloadConfig:
     level_schedule: tuple[tuple[int, int], ...] = ()
     host_page_size: int = 2 << 20
     layer_bytes: int | None = None
+    h2d_GBps: float = 53.0
+    piecewise_penalty_ms: float = 0.0
 
     KEY = "dynamic_offload"
 
@@ -122,6 +128,8 @@ class DynamicOffloadConfig:
                 "level_schedule must be [[step, level], ...] with increasing steps and "
                 f"non-negative levels, got {list(self.level_schedule)}"
             )
+        if self.h2d_GBps <= 0 or self.piecewise_penalty_ms < 0:
+            raise ValueError("h2d_GBps must be > 0 and piecewise_penalty_ms >= 0")
         if self.host_page_size <= 0 or self.host_page_size % 4096:
             raise ValueError(f"host_page_size={self.host_page_size} must be a multiple of 4096")
 

@@ -42,6 +42,8 @@ class OffloadController:
         block_pool: BlockPool,
         num_ranks: int = 1,
         model: OffloadCostModel | None = None,
+        num_layers: int | None = None,
+        layer_bytes: int | None = None,
     ) -> None:
         self.config = config
         self.plan = plan
@@ -49,7 +51,20 @@ class OffloadController:
         self.elastic = ElasticBlockPool(
             block_pool, layout, plan.groups_at(0), config.policy.drain_lag_steps
         )
-        self.estimator = LatencyEstimator(config.policy, model)
+        calibrate = None
+        if num_layers is not None and layer_bytes is not None:
+
+            def calibrate(k0_ms: float, shape: StepShape) -> OffloadCostModel:
+                del shape  # the calibration splits the measured step evenly over layers
+                return OffloadCostModel.from_k0_step(
+                    num_layers,
+                    layer_bytes,
+                    config.h2d_GBps * 1e9,
+                    k0_ms,
+                    piecewise_penalty_ms=config.piecewise_penalty_ms,
+                )
+
+        self.estimator = LatencyEstimator(config.policy, model, calibrate)
         self.policy = OffloadPolicy(
             config.policy, plan.max_level, plan.capacity_blocks, self.estimator
         )

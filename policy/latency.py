@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Callable
 
 from dynoff.policy.config import PolicyConfig
 
@@ -121,6 +122,27 @@ class OffloadCostModel:
             return layer - half
         return None
 
+    @classmethod
+    def from_k0_step(
+        cls,
+        num_layers: int,
+        layer_bytes: int,
+        h2d_bytes_per_s: float,
+        k0_step_ms: float,
+        overhead_fraction: float = 0.05,
+        piecewise_penalty_ms: float = 0.0,
+    ) -> OffloadCostModel:
+        """Calibrate from a measured level-0 decode step: ``overhead_fraction`` of it is
+        outside the layers, the rest splits evenly over the N layers."""
+        return cls(
+            num_layers,
+            layer_bytes,
+            h2d_bytes_per_s,
+            layer_ms_base=k0_step_ms * (1 - overhead_fraction) / num_layers,
+            overhead_ms=k0_step_ms * overhead_fraction,
+            piecewise_penalty_ms=piecewise_penalty_ms,
+        )
+
     def hidden_fraction(self, level: int, shape: StepShape) -> float:
         """Share of the level's copy time hidden behind compute (1.0 = fully hidden)."""
         if level == 0:
@@ -136,11 +158,20 @@ class LatencyEstimator:
     decode-only step seen, applied to levels not yet measured ``min_samples`` times.
     """
 
-    def __init__(self, config: PolicyConfig, model: OffloadCostModel | None = None) -> None:
-        if config.estimator == "model" and model is None:
-            raise ValueError("estimator='model' needs an OffloadCostModel (worker calibration)")
+    def __init__(
+        self,
+        config: PolicyConfig,
+        model: OffloadCostModel | None = None,
+        calibrate: Callable[[float, StepShape], OffloadCostModel] | None = None,
+    ) -> None:
+        if config.estimator == "model" and model is None and calibrate is None:
+            raise ValueError(
+                "estimator='model' needs an OffloadCostModel or a way to calibrate one "
+                "(layer count, layer bytes and H2D bandwidth)"
+            )
         self.config = config
         self.model = model
+        self._calibrate = calibrate
         self._sum: dict[int, float] = defaultdict(float)
         self._count: dict[int, int] = defaultdict(int)
         self._ratio_sum = 0.0
@@ -154,6 +185,10 @@ class LatencyEstimator:
         self._sum[level] += forward_ms
         self._count[level] += 1
         self._last_decode_shape = shape
+        if self.model is None and self._calibrate is not None and level == 0:
+            if self._count[0] >= self.config.min_samples:
+                self.model = self._calibrate(self._sum[0] / self._count[0], shape)
+            return
         if self.model is not None:
             self._ratio_sum += forward_ms / self.model.step_ms(level, shape)
             self._ratio_count += 1

@@ -64,6 +64,8 @@ class DynamicOffloadScheduler(AsyncScheduler):
             layout,
             self.kv_cache_manager.block_pool,
             num_ranks=parallel.world_size,
+            num_layers=num_layers,
+            layer_bytes=layer_bytes,
         )
         logger.info(
             "dynamic offload: %d layers, max level %d, KV capacity %d blocks at level 0 and "

@@ -117,3 +117,21 @@ def test_trace_records_steps_and_level_changes(tmp_path) -> None:
     )
     assert ctl.trace.summary()["levels_visited"] == [0, 1, 2]
     assert ctl.trace.summary()["capacity_blocks_by_level"] == {0: 16, 1: 32, 2: 48}
+
+
+def test_model_estimator_runs_in_the_controller(tmp_path) -> None:
+    policy = PolicyConfig(estimator="model", proxy="model", min_samples=1, cooldown_steps=0)
+    plan = plan_capacity(
+        STRIDES, base_blocks=16, layer_bytes=LAYER_BYTES, max_level=2, page_size=PAGE
+    )
+    manager = make_manager(plan.num_blocks)
+    config = DynamicOffloadConfig(policy=policy, h2d_GBps=55.0)
+    layout = KVLayout(plan.num_blocks, tuple(STRIDES), PAGE)
+    ctl = OffloadController(
+        config, plan, layout, manager.block_pool, num_layers=8, layer_bytes=LAYER_BYTES
+    )
+    ctl.on_report(StepReport(0, 0, 10.0, True, 4))
+    assert ctl.estimator.model is not None  # calibrated from the level-0 step
+    assert ctl.estimator.model.h2d_bytes_per_s == 55e9
+    command = ctl.on_schedule_start(1, waiting=2, running=4)
+    assert command is not None and command.target_level == 1  # tiny layers: cheap to offload

@@ -76,3 +76,20 @@ def test_estimator_refines_the_model_with_measurements() -> None:
     assert estimator.estimate(1) == pytest.approx(1.1 * model.step_ms(1, DECODE))
     estimator.observe(2, 500.0, StepShape(4, 2048))  # prefill steps are filtered out
     assert estimator.samples(2) == 0
+
+
+def test_model_estimator_calibrates_itself_from_level_zero() -> None:
+    # No model up front: the estimator builds one from measured level-0 decode steps, then
+    # predicts level 1 on PCIe as copy-bound (2t + 2x), before level 1 was ever measured.
+    def calibrate(k0_ms: float, shape: StepShape) -> OffloadCostModel:
+        return OffloadCostModel.from_k0_step(N, B, 55e9, k0_ms, overhead_fraction=OVERHEAD / 29.8)
+
+    estimator = LatencyEstimator(
+        PolicyConfig(estimator="model", min_samples=2), calibrate=calibrate
+    )
+    assert estimator.estimate(1) is None  # nothing known yet: the policy explores
+    for _ in range(2):
+        estimator.observe(0, N * T + OVERHEAD, DECODE)
+    x = B / 55e9 * 1e3
+    assert estimator.estimate(0) == pytest.approx(N * T + OVERHEAD)
+    assert estimator.estimate(1) == pytest.approx(2 * T + 2 * x, rel=0.05)

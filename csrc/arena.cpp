@@ -32,20 +32,7 @@ Arena::~Arena() {
     driver_->synchronize();
   } catch (...) {  // tearing down: nothing useful to do with a failure here
   }
-  for (auto& [id, range] : ranges_) {
-    const std::size_t bytes = range.slots.size() * page_size_;
-    try {
-      driver_->unmap(range.va, bytes);
-    } catch (...) {
-      for (std::size_t i = 0; i < range.slots.size(); ++i) {
-        try {
-          driver_->unmap(range.va + i * page_size_, page_size_);
-        } catch (...) {
-        }
-      }
-    }
-    driver_->free_reservation(range.va, bytes);
-  }
+  for (auto& [id, range] : ranges_) drop_range(range);
   for (const Page& page : pages_) driver_->release_page(page.handle);
   driver_->release_page(zero_handle_);
 }
@@ -193,23 +180,31 @@ void Arena::release(std::int64_t id) noexcept {
   auto it = ranges_.find(id);
   if (it == ranges_.end()) return;
   Range& range = it->second;
+  try {
+    driver_->synchronize();  // queued work may still read the range
+  } catch (...) {
+  }
+  drop_range(range);
+  for (std::int64_t page : range.slots) {
+    if (page != kZeroPage) pages_[static_cast<std::size_t>(page)].map_count -= 1;
+  }
+  ranges_.erase(it);
+}
+
+void Arena::drop_range(const Range& range) noexcept {
+  // Unmap every mapping (one ranged call, else page by page) and free the reservation.
   const std::size_t bytes = range.slots.size() * page_size_;
   try {
-    driver_->synchronize();
     driver_->unmap(range.va, bytes);
   } catch (...) {
     for (std::size_t i = 0; i < range.slots.size(); ++i) {
       try {
         driver_->unmap(range.va + i * page_size_, page_size_);
-      } catch (...) {
+      } catch (...) {  // best effort: the reservation is freed either way
       }
     }
   }
   driver_->free_reservation(range.va, bytes);
-  for (std::int64_t page : range.slots) {
-    if (page != kZeroPage) pages_[static_cast<std::size_t>(page)].map_count -= 1;
-  }
-  ranges_.erase(it);
 }
 
 const Arena::Range& Arena::range_at(std::int64_t id) const {

@@ -112,6 +112,7 @@ class Arena {
   };
 
   const Range& range_at(std::int64_t range) const;
+  void drop_range(const Range& range) noexcept;
   std::vector<Change> validate(const std::vector<MapOp>& ops) const;
   void execute(std::vector<Change>& changes);
   void execute_run(std::vector<Change>& changes, std::size_t begin, std::size_t end);

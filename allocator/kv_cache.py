@@ -65,7 +65,7 @@ class VmmKVCache:
             if getattr(spec, "block_stride", 0):
                 packed = buffer
         self.backed: dict[int, list[list[int]]] = {}  # group -> pages per buffer
-        self.map_groups(range(active_groups))
+        self.map_groups(range(active_groups), create=True)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """layer name -> int8 KV tensor, as ``_allocate_kv_cache_tensors`` returns them."""
@@ -78,13 +78,16 @@ class VmmKVCache:
         per = self.group_blocks * buffer.stride // self.arena.page_size
         return range(group * per, (group + 1) * per)
 
-    def map_groups(self, groups: Iterable[int]) -> None:
-        """Back ``groups`` with pool pages (one transaction; creates pages if the pool is
-        short, which only happens at start-up)."""
+    def map_groups(self, groups: Iterable[int], create: bool = False) -> None:
+        """Back ``groups`` with free pool pages, in one transaction.
+
+        Only start-up passes ``create`` (new physical pages); at run time the pages must
+        come from a layer the level change just freed, else :class:`PagePoolExhausted`.
+        """
         todo = [g for g in groups if g not in self.backed]
         need = len(todo) * self.pages_per_group()
         free = self.arena.stats().pages_free
-        if need > free:
+        if create and need > free:
             self.arena.create_pages(need - free)
         pages = self.arena.allocate_pages(need)
         ops: list[Op] = []

@@ -48,7 +48,8 @@ def rank_main(rank: int, init_file: str, out_dir: str) -> None:
         {i: p.flat for i, p in packs.items()},
     )
     runtime = OffloadRuntime(8, engine)
-    kv = VmmKVCache(arena, kv_config(64, 8, PAGE), group_blocks=1, active_groups=8)
+    # One KV buffer, one page per group: a level frees 3 pages and its tier takes 2.
+    kv = VmmKVCache(arena, kv_config(64, 1, PAGE), group_blocks=1, active_groups=8)
     levels = LevelChanger(rank, placement, kv, engine, runtime)
     gather = lambda outcomes: gather_outcomes(outcomes, WORLD)  # noqa: E731
     history = []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
 import os
@@ -10,7 +9,6 @@ import platform
 import shlex
 import statistics
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +50,3 @@ def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> Path
 
 def median(values: list[float]) -> float:
     return float(statistics.median(values))
-
-
-@contextlib.contextmanager
-def nvtx_range(name: str) -> Iterator[None]:
-    """An NVTX range (Nsight, torch.profiler) when the nvtx package is importable."""
-    try:
-        import nvtx
-    except ImportError:  # pragma: no cover - nvtx is a declared dependency
-        yield
-        return
-    with nvtx.annotate(name, domain="dynoff"):
-        yield

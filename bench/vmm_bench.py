@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from bench.common import median, nvtx_range, write_results
+from bench.common import median, write_results
 from dynoff.allocator import ZERO_PAGE, VmmArena, VmmRange
+from dynoff.compile_pass.prefetch import trace_range
 
 # Qwen3-32B decoder layer in bf16: q,o 5120x8192; k,v 5120x1024; gate,up,down 5120x25600.
 QWEN3_32B_LAYER_BYTES = 2 * (2 * 5120 * 8192 + 2 * 5120 * 1024 + 3 * 5120 * 25600 + 2 * 5120)
@@ -88,10 +89,10 @@ def level_transition(arena: VmmArena, kv_ranges: int, repeats: int) -> dict[str,
         up = transition_ops(layer_i, layer_j, j_pages, i_pages, kv, per_kv, up=True)
         down = transition_ops(layer_i, layer_j, j_pages, i_pages, kv, per_kv, up=False)
         arena.reset_stats()
-        with nvtx_range("level_transition_up"):
+        with trace_range("level_transition_up"):
             up_ms.append(timed(arena.apply, up, synchronize=True) / 1e3)
         breakdown.append(arena.stats().calls)
-        with nvtx_range("level_transition_down"):
+        with trace_range("level_transition_down"):
             down_ms.append(timed(arena.apply, down, synchronize=True) / 1e3)
     calls = breakdown[len(breakdown) // 2]
     arena.unmap(layer_i, range(n), synchronize=True)

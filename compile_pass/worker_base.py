@@ -36,9 +36,9 @@ from dynoff.compile_pass.levels import LevelChanger, gather_outcomes
 from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.timing import StepTimer, Timed
-from dynoff.policy.block_pool import CapacityPlan
+from dynoff.policy.block_pool import CapacityPlan, plan_capacity
 from dynoff.policy.config import DynamicOffloadConfig
-from dynoff.policy.geometry import plan_for, recover_plan
+from dynoff.policy.geometry import recover_plan
 from dynoff.policy.messages import (
     RUNNER_OUTPUT_ATTR,
     SCHEDULER_OUTPUT_ATTR,
@@ -184,7 +184,7 @@ class DynamicOffloadMixin:
         state = self._dynoff
         strides = self._kv_strides()
         per_block = sum(strides)
-        plan = plan_for(
+        plan = plan_capacity(
             strides,
             base_bytes // per_block,
             self._layer_bytes(),

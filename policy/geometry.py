@@ -1,6 +1,6 @@
 """Sizes both sides must agree on: a decoder layer's bytes, the KV layout, the tier plan.
 
-The worker sizes the KV tensors for :func:`plan_for` 's ``num_blocks`` (the highest level's
+The worker sizes the KV tensors for ``plan_capacity(...).num_blocks`` (the highest level's
 capacity) and the scheduler recovers the same plan from the resulting ``KVCacheConfig``.
 """
 
@@ -46,13 +46,6 @@ def layout_strides(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
     if not strides:
         raise ValueError("the KV cache config has no tensors")
     return tuple(strides)
-
-
-def plan_for(
-    strides: tuple[int, ...], base_blocks: int, layer_bytes: int, max_level: int, page_size: int
-) -> CapacityPlan:
-    """Worker side: the plan for ``base_blocks`` at level 0 (vLLM's profiled capacity)."""
-    return plan_capacity(strides, base_blocks, layer_bytes, max_level, page_size)
 
 
 def recover_plan(

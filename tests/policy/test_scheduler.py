@@ -13,7 +13,8 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheT
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
-from dynoff.policy.geometry import decoder_layer_bytes, layout_strides, plan_for
+from dynoff.policy.block_pool import plan_capacity
+from dynoff.policy.geometry import decoder_layer_bytes, layout_strides
 from dynoff.policy.messages import ResizeOutcome, StepReport
 from dynoff.policy.scheduler import DynamicOffloadScheduler
 from tests.policy.kv_fixtures import SPEC, make_request
@@ -37,7 +38,9 @@ def build(tmp_path: Path, schedule: list[list[int]]) -> DynamicOffloadScheduler:
     # What the worker does: size the KV cache for the highest level's capacity.
     strides = (SPEC.page_size_bytes,) * 4
     layer_bytes = decoder_layer_bytes(model.hf_config, 2)
-    plan = plan_for(strides, base_blocks=64, layer_bytes=layer_bytes, max_level=2, page_size=PAGE)
+    plan = plan_capacity(
+        strides, base_blocks=64, layer_bytes=layer_bytes, max_level=2, page_size=PAGE
+    )
     kv = KVCacheConfig(
         num_blocks=plan.num_blocks,
         kv_cache_tensors=[

@@ -70,7 +70,7 @@ class LevelChanger:
             self.device_sync()  # no queued step may touch pages we unmap
             self.engine.synchronize()
             if command.target_level == self.level + 1:
-                self._raise(command)
+                self._raise(command.map_groups)
             elif command.target_level == self.level - 1:
                 self._lower(command.unmap_groups)
             elif command.target_level != self.level:
@@ -92,10 +92,10 @@ class LevelChanger:
                 command.command_id, self.rank, False, f"{type(exc).__name__}: {exc}"
             )
 
-    def _raise(self, command: OffloadCommand) -> None:
+    def _raise(self, groups: tuple[int, ...]) -> None:
         self.placement.raise_level()
         try:
-            self.kv.map_groups(command.map_groups)
+            self.kv.map_groups(groups)
         except Exception:
             self.placement.lower_level()
             raise
@@ -115,8 +115,7 @@ class LevelChanger:
         if self.level == old_level + 1:
             self._lower(command.map_groups)
         elif self.level == old_level - 1:
-            self.placement.raise_level()
-            self.kv.map_groups(command.unmap_groups)
+            self._raise(command.unmap_groups)
         self.runtime.set_level(self.level)
 
     def apply_everywhere(self, command: OffloadCommand, gather: Gather) -> list[ResizeOutcome]:

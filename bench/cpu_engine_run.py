@@ -41,7 +41,7 @@ def main() -> None:
     if args.mode == "live":
         outputs = generate(llm, prompts(24, 64), 64) + generate(llm, prompts(2, 16, 5), 160)
     else:
-        outputs = generate(llm, [p for i, p in enumerate(prompts(6, 40)) if i < 6], 24)
+        outputs = generate(llm, prompts(6, 40), 24)
     result: dict[str, Any] = {"outputs": outputs}
     if args.trace:
         result["trace"] = summarize_trace(Path(args.trace))

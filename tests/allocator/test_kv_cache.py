@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from dynoff.allocator import ZERO_PAGE, PagePoolExhausted, VmmArena
 from dynoff.allocator.kv_cache import VmmKVCache
+from tests.allocator.kv_config import kv_config
 
 PAGE = 64 << 10
 
 
-def config(num_blocks: int, layers: int, stride: int) -> types.SimpleNamespace:
-    tensors = [
-        types.SimpleNamespace(size=num_blocks * stride, shared_by=[f"l{i}"], block_stride=0)
-        for i in range(layers)
-    ]
-    return types.SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=tensors)
-
-
 def test_groups_map_and_unmap_pages_in_every_buffer() -> None:
     arena = VmmArena("host", page_size=PAGE)
-    kv = VmmKVCache(arena, config(16, 2, PAGE // 4), group_blocks=4, active_groups=2)
+    kv = VmmKVCache(arena, kv_config(16, 2, PAGE // 4), group_blocks=4, active_groups=2)
     tensors = kv.tensors()
     assert set(tensors) == {"l0", "l1"} and tensors["l0"].numel() == 16 * PAGE // 4
     first = kv.buffers[0].range.mapping()

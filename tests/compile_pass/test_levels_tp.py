@@ -6,7 +6,6 @@ the old level; afterwards the weights are bit-exact again."""
 from __future__ import annotations
 
 import json
-import types
 from pathlib import Path
 
 import torch
@@ -20,18 +19,11 @@ from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.runtime import OffloadRuntime
 from dynoff.policy.messages import OffloadCommand
+from tests.allocator.kv_config import kv_config
 from tests.compile_pass.toy_model import ToyDecoder
 
 PAGE = 64 << 10
 WORLD = 2
-
-
-def kv_config(num_blocks: int, layers: int, stride: int) -> types.SimpleNamespace:
-    tensors = [
-        types.SimpleNamespace(size=num_blocks * stride, shared_by=[f"l{i}"], block_stride=0)
-        for i in range(layers)
-    ]
-    return types.SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=tensors)
 
 
 def rank_main(rank: int, init_file: str, out_dir: str) -> None:

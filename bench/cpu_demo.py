@@ -8,13 +8,13 @@ cache and a light tail that empties it, the policy raising and lowering the offl
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.tiny_checkpoint import make_checkpoint
+from dynoff.policy.trace import summarize_trace
 
 WORKER = "dynoff.compile_pass.cpu_worker.CPUDynamicOffloadWorker"
 REFERENCE_WORKER = "dynoff.compile_pass.cpu_worker.CPUReferenceWorker"
@@ -59,23 +59,6 @@ def generate(llm: Any, batch: list[Any], max_tokens: int) -> list[list[int]]:
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
     return [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
-
-
-def summarize_trace(path: Path) -> dict[str, Any]:
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    steps = [r for r in records if r["kind"] == "step"]
-    changes = [r for r in records if r.get("event") == "level_change"]
-    capacity: dict[int, int] = {}
-    for r in steps:
-        capacity.setdefault(r["level"], r["capacity_blocks"])
-    return {
-        "steps": len(steps),
-        "level_changes": len(changes),
-        "levels_visited": [0] + [c["to_level"] for c in changes],
-        "capacity_blocks_by_level": dict(sorted(capacity.items())),
-        "max_waiting": max((r["waiting"] for r in steps), default=0),
-        "aborted_drains": sum(r.get("event") == "drain_aborted" for r in records),
-    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.cpu_demo import engine_kwargs, generate, prompts, summarize_trace
+from bench.cpu_demo import engine_kwargs, generate, prompts
+from dynoff.policy.trace import summarize_trace
 
 FORCED_LEVELS = [[0, 0], [3, 2], [12, 1], [20, 2], [40, 0]]
 

@@ -1,5 +1,8 @@
 """JSON-lines trace of the policy: one record per step, one per event (level changes,
-failed resizes, aborted drains). Feeds the benchmark plots and the README's main job."""
+failed resizes, aborted drains). Feeds the benchmark plots and the README's main job.
+
+:class:`TraceSummary` is the one reader of that format: the writer feeds it live (for the
+shutdown log), :func:`summarize_trace` feeds it a trace file (demo, tests, benchmarks)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,51 @@ import json
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+
+class TraceSummary:
+    """Levels visited, KV capacity at each level, counts of changes and failures."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.max_waiting = 0
+        self.levels_visited: list[int] = [0]
+        self.capacity_by_level: dict[int, int] = {}
+        self.level_changes = 0
+        self.failures = 0
+        self.aborted_drains = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        if record["kind"] == "step":
+            self.steps += 1
+            self.max_waiting = max(self.max_waiting, record["waiting"])
+            self.capacity_by_level.setdefault(record["level"], record["capacity_blocks"])
+        elif record["event"] == "level_change":
+            self.level_changes += 1
+            self.levels_visited.append(record["to_level"])
+        elif record["event"] == "resize_failed":
+            self.failures += 1
+        elif record["event"] == "drain_aborted":
+            self.aborted_drains += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "levels_visited": self.levels_visited,
+            "capacity_blocks_by_level": dict(sorted(self.capacity_by_level.items())),
+            "level_changes": self.level_changes,
+            "resize_failures": self.failures,
+            "aborted_drains": self.aborted_drains,
+            "max_waiting": self.max_waiting,
+        }
+
+
+def summarize_trace(path: str | Path) -> dict[str, Any]:
+    """The :class:`TraceSummary` of a trace file."""
+    summary = TraceSummary()
+    for line in Path(path).read_text().splitlines():
+        summary.add(json.loads(line))
+    return summary.as_dict()
 
 
 class TraceWriter:
@@ -18,39 +66,22 @@ class TraceWriter:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as we do
         self._t0 = time.monotonic()
-        self.levels_visited: list[int] = [0]
-        self.capacity_by_level: dict[int, int] = {}
-        self.level_changes = 0
-        self.failures = 0
-        self.aborted_drains = 0
+        self.running = TraceSummary()
 
     def step(self, **record: Any) -> None:
-        self.capacity_by_level.setdefault(record["level"], record["capacity_blocks"])
         self._write({"kind": "step", **record})
 
     def event(self, name: str, **record: Any) -> None:
-        if name == "level_change":
-            self.level_changes += 1
-            self.levels_visited.append(record["to_level"])
-        elif name == "resize_failed":
-            self.failures += 1
-        elif name == "drain_aborted":
-            self.aborted_drains += 1
         self._write({"kind": "event", "event": name, **record})
 
     def _write(self, record: dict[str, Any]) -> None:
+        self.running.add(record)
         if self._file is not None:
             record = {"t": round(time.monotonic() - self._t0, 4), **record}
             self._file.write(json.dumps(record) + "\n")
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "levels_visited": self.levels_visited,
-            "capacity_blocks_by_level": dict(sorted(self.capacity_by_level.items())),
-            "level_changes": self.level_changes,
-            "resize_failures": self.failures,
-            "aborted_drains": self.aborted_drains,
-        }
+        return self.running.as_dict()
 
     def close(self) -> None:
         if self._file is not None:

@@ -100,7 +100,7 @@ def main() -> None:
         results[mode] = json.loads(out.read_text())
     if "outputs" in results.get("plugin", {}) and "outputs" in results.get("stock", {}):
         results["token_identical"] = results["plugin"]["outputs"] == results["stock"]["outputs"]
-        from bench.cpu_demo import summarize_trace
+        from dynoff.policy.trace import summarize_trace
 
         results["trace"] = summarize_trace(work / "trace.jsonl")
     Path(args.out).write_text(json.dumps(results, indent=2))

@@ -26,6 +26,8 @@ from dynoff.policy.messages import OffloadCommand, ResizeOutcome
 
 logger = logging.getLogger("vllm.dynoff.levels")
 
+DRIVER_CALLS_US = ("map_us", "unmap_us", "set_access_us")
+
 Gather = Callable[[list[ResizeOutcome]], list[ResizeOutcome]]
 
 
@@ -66,9 +68,12 @@ class LevelChanger:
     def apply(self, command: OffloadCommand) -> ResizeOutcome:
         """Apply locally; on failure this rank stays at its old level."""
         start = time.perf_counter()
+        before = self.placement.arena.stats().calls
         try:
             self.device_sync()  # no queued step may touch pages we unmap
             self.engine.synchronize()
+            synced = time.perf_counter()
+            self.placement.last_copy_ms = 0.0
             if command.target_level == self.level + 1:
                 self._raise(command.map_groups)
             elif command.target_level == self.level - 1:
@@ -79,8 +84,19 @@ class LevelChanger:
                     f"{command.target_level}; levels move one at a time"
                 )
             self.runtime.set_level(self.level)
-            elapsed = (time.perf_counter() - start) * 1e3
-            return ResizeOutcome(command.command_id, self.rank, True, remap_ms=elapsed)
+            end = time.perf_counter()
+            after = self.placement.arena.stats().calls
+            driver_us = sum(after[k] - before[k] for k in DRIVER_CALLS_US)
+            return ResizeOutcome(
+                command.command_id,
+                self.rank,
+                True,
+                remap_ms=(end - start) * 1e3,
+                sync_ms=(synced - start) * 1e3,
+                driver_ms=driver_us / 1e3,
+                copy_ms=self.placement.last_copy_ms,
+                slots_changed=int(after["slots_changed"] - before["slots_changed"]),
+            )
         except Exception as exc:  # reported; the scheduler keeps the old level
             logger.warning(
                 "dynamic offload: command %d failed on rank %d: %s",

@@ -18,6 +18,7 @@ the weight bytes, not a power-of-two rounding of them.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
@@ -84,6 +85,7 @@ class WeightPlacement:
             )
         self.max_level = max_level
         self.level = 0
+        self.last_copy_ms = 0.0  # time the last lower_level spent restoring layers
         self.packs = [self._pack(i, layer) for i, layer in enumerate(layers)]
         for pack in self.packs:
             i = pair_index(pack.index, self.num_layers)
@@ -143,10 +145,14 @@ class WeightPlacement:
         except Exception:
             self.arena.free_pages(pages)
             raise
+        start = time.perf_counter()
         for layer in (j, i):
             pack = self.packs[layer]
             assert pack.cpu is not None
             pack.flat.copy_(pack.cpu)
+        if pack.flat.is_cuda:
+            torch.cuda.synchronize(pack.flat.device)
+        self.last_copy_ms = (time.perf_counter() - start) * 1e3
         dst.pages = pages
         self.level -= 1
         return pages

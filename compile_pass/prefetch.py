@@ -96,10 +96,23 @@ class PrefetchEngine:
 
     def achieved_bandwidth(self) -> float:
         """Bytes per second over the recorded copies (``timing=True``; synchronizes)."""
-        self.copy_stream.synchronize()
-        nbytes = sum(n for n, _, _ in self.timings)
-        seconds = sum(s.elapsed_time(e) for _, s, e in self.timings) / 1e3
-        return nbytes / seconds if seconds else 0.0
+        stats = self.transfer_stats(reset=False)
+        return stats["bytes"] / stats["seconds"] if stats["seconds"] else 0.0
+
+    def transfer_stats(self, reset: bool = True) -> dict[str, float]:
+        """Copies issued, and the bytes and copy-stream seconds of the timed ones
+        (``timing=True``); ``reset`` starts a new measurement window."""
+        timed_bytes, seconds = 0, 0.0
+        if self.timing:
+            self.copy_stream.synchronize()
+            timed_bytes = sum(n for n, _, _ in self.timings)
+            seconds = sum(s.elapsed_time(e) for _, s, e in self.timings) / 1e3
+        stats = {"copies": self.copies, "bytes": timed_bytes, "seconds": seconds}
+        if reset:
+            self.timings.clear()
+            self.copies = 0
+            self.bytes_copied = 0
+        return stats
 
     def synchronize(self) -> None:
         """Finish every copy in flight (before a level change)."""

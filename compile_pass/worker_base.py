@@ -156,6 +156,7 @@ class DynamicOffloadMixin:
             len(layers), probe, psutil.virtual_memory().available
         )
         placement = WeightPlacement(arena, layers, max_level)
+        self._correct_weights_memory(placement)
         if config.layer_bytes is not None and config.layer_bytes > placement.layer_bytes:
             raise ValueError(
                 f"layer_bytes={config.layer_bytes} exceeds the real layer size "
@@ -165,6 +166,7 @@ class DynamicOffloadMixin:
         engine = PrefetchEngine(
             {i: p.cpu for i, p in packs.items() if p.cpu is not None},
             {i: p.flat for i, p in packs.items()},
+            timing=config.measure_transfers,
         )
         rt = runtime.OffloadRuntime(len(layers), engine)
         runtime.install(rt)
@@ -178,6 +180,24 @@ class DynamicOffloadMixin:
             len(packs),
         )
         return _State(config, arena, placement, engine, rt)
+
+    def _correct_weights_memory(self, placement: WeightPlacement) -> None:
+        """The packed layers now live in VMM pages, which vLLM's profiler counts as non-torch
+        memory; their torch copies are freed. Take them out of ``model_memory_usage`` so the
+        KV budget does not count the decoder layers twice."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        moved = placement.num_layers * placement.layer_bytes
+        if not current_platform.is_cpu():
+            torch.cuda.empty_cache()
+        before = int(getattr(runner, "model_memory_usage", 0))
+        runner.model_memory_usage = max(0, before - moved)
+        logger.info(
+            "dynamic offload: %.2f GiB of decoder weights moved to VMM; torch-held model memory "
+            "%.2f -> %.2f GiB",
+            moved / 2**30,
+            before / 2**30,
+            runner.model_memory_usage / 2**30,
+        )
 
     def determine_available_memory(self) -> int:
         base_bytes = super().determine_available_memory()  # type: ignore[misc]
@@ -275,6 +295,20 @@ class DynamicOffloadMixin:
             output.get_output = lambda: with_report(inner(), report)  # type: ignore[method-assign]
             return output
         return with_report(output, report)
+
+    # -- benchmarks (``LLM.collective_rpc``) -----------------------------------------------------
+    def dynoff_stats(self, reset: bool = True) -> dict[str, Any]:
+        """This rank's level, layer size and prefetch transfers since the last call."""
+        state = self._dynoff
+        return {
+            "rank": self.rank,  # type: ignore[attr-defined]
+            "level": state.placement.level,
+            "max_level": state.placement.max_level,
+            "num_layers": state.placement.num_layers,
+            "layer_bytes": state.placement.layer_bytes,
+            "pages_per_layer": state.placement.pages_per_layer,
+            "transfers": state.engine.transfer_stats(reset),
+        }
 
     def _gather(self, outcomes: list[ResizeOutcome]) -> list[ResizeOutcome]:
         """Every rank's outcomes, on every rank (rank 0's report carries them)."""

@@ -109,6 +109,8 @@ class DynamicOffloadConfig:
             the H200's PCIe Gen5 link, ``bench/results/prefetch_h200.json``).
         piecewise_penalty_ms: extra step time of the piecewise path while k > 0, for the
             ``model`` estimator (8.3 ms on Qwen3-8B at batch 128 on the H200).
+        measure_transfers: time every prefetch copy with CUDA events (benchmarks; read with
+            ``LLM.collective_rpc("dynoff_stats")``). Off in serving: it adds two events per copy.
     """
 
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
@@ -118,6 +120,7 @@ class DynamicOffloadConfig:
     layer_bytes: int | None = None
     h2d_GBps: float = 53.0
     piecewise_penalty_ms: float = 0.0
+    measure_transfers: bool = False
 
     KEY = "dynamic_offload"
 

@@ -27,7 +27,7 @@ from dynoff.policy.algorithm import OffloadPolicy, Pressure
 from dynoff.policy.block_pool import CapacityPlan, ElasticBlockPool, KVLayout
 from dynoff.policy.config import DynamicOffloadConfig
 from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepShape
-from dynoff.policy.messages import OffloadCommand, StepReport
+from dynoff.policy.messages import OffloadCommand, ResizeOutcome, StepReport
 from dynoff.policy.trace import TraceWriter
 
 logger = logging.getLogger("vllm.dynoff.policy")
@@ -71,7 +71,7 @@ class OffloadController:
         self.trace = TraceWriter(config.trace_path)
         self.level = 0  # the level every worker runs at
         self.inflight: OffloadCommand | None = None
-        self._outcomes: dict[int, bool] = {}
+        self._outcomes: dict[int, ResizeOutcome] = {}
         self._errors: list[str] = []
         self._next_id = 0
         self._shape = StepShape(num_decode_tokens=1)
@@ -102,10 +102,17 @@ class OffloadController:
             shape = StepShape(max(shape.num_decode_tokens, 1), 0 if report.decode_only else 1)
         self._shape = shape
         self.estimator.observe(report.level, report.forward_ms, shape)
+        self.trace.forward(
+            step=report.step,
+            level=report.level,
+            forward_ms=round(report.forward_ms, 4),
+            decode_tokens=report.num_decode_tokens,
+            prefill_tokens=report.num_prefill_tokens,
+        )
         for outcome in report.outcomes:
             if self.inflight is None or outcome.command_id != self.inflight.command_id:
                 continue
-            self._outcomes[outcome.rank] = outcome.ok
+            self._outcomes[outcome.rank] = outcome
             if not outcome.ok:
                 self._errors.append(f"rank {outcome.rank}: {outcome.error}")
         if self.inflight is not None and len(self._outcomes) >= self.num_ranks:
@@ -150,16 +157,23 @@ class OffloadController:
     def _complete(self, step: int) -> None:
         command, self.inflight = self.inflight, None
         assert command is not None
-        ok = all(self._outcomes.values())
-        if ok:
+        outcomes = list(self._outcomes.values())
+        if all(o.ok for o in outcomes):
             self.elastic.commit_grow(command.map_groups)
             self.elastic.commit_shrink(command.unmap_groups)
+            slowest = max(outcomes, key=lambda o: o.remap_ms)  # the rank everyone waited for
             self.trace.event(
                 "level_change",
                 step=step,
                 from_level=self.level,
                 to_level=command.target_level,
                 capacity_blocks=self.plan.capacity_blocks(command.target_level),
+                remap_ms=round(slowest.remap_ms, 3),
+                sync_ms=round(slowest.sync_ms, 3),
+                driver_ms=round(slowest.driver_ms, 3),
+                copy_ms=round(slowest.copy_ms, 3),
+                slots_changed=slowest.slots_changed,
+                ranks=len(outcomes),
             )
             logger.info(
                 "dynamic offload: level %d -> %d (KV capacity %d blocks)",

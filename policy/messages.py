@@ -39,13 +39,25 @@ class OffloadCommand:
 
 @dataclasses.dataclass(frozen=True)
 class ResizeOutcome:
-    """One rank's result of applying a command."""
+    """One rank's result of applying a command.
+
+    Attributes:
+        remap_ms: wall time of the whole change on this rank (the next three and the rest).
+        sync_ms: waiting for queued GPU work and copies before touching any mapping.
+        driver_ms: inside VMM driver calls (map, unmap, set access).
+        copy_ms: restoring layers from pinned memory (lowering only).
+        slots_changed: page slots remapped (weights and KV).
+    """
 
     command_id: int
     rank: int
     ok: bool
     error: str = ""
     remap_ms: float = 0.0
+    sync_ms: float = 0.0
+    driver_ms: float = 0.0
+    copy_ms: float = 0.0
+    slots_changed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,8 @@ class TraceSummary:
             self.steps += 1
             self.max_waiting = max(self.max_waiting, record["waiting"])
             self.capacity_by_level.setdefault(record["level"], record["capacity_blocks"])
+        elif record["kind"] != "event":
+            return  # per-forward measurements: read by the benchmarks, not summarised here
         elif record["event"] == "level_change":
             self.level_changes += 1
             self.levels_visited.append(record["to_level"])
@@ -70,6 +72,10 @@ class TraceWriter:
 
     def step(self, **record: Any) -> None:
         self._write({"kind": "step", **record})
+
+    def forward(self, **record: Any) -> None:
+        """What a worker measured for one step's forward (``kind: forward``)."""
+        self._write({"kind": "forward", **record})
 
     def event(self, name: str, **record: Any) -> None:
         self._write({"kind": "event", "event": name, **record})

@@ -1,0 +1,224 @@
+"""GPU end-to-end check of the plugin inside vLLM (issue #5), one engine per process.
+
+    python3 -m bench.gpu.e2e_correctness --model /tmp/site/models/qwen3-8b \\
+        --out $OUT/e2e_correctness_h200.json [--phase identity|live]
+
+``identity`` runs three engines over the same requests (ShareGPT-like lengths, greedy,
+dummy weights): stock vLLM (its defaults, FULL_AND_PIECEWISE), the plugin held at k = 0, and
+the plugin under a forced schedule 0 -> max -> 0 while the requests decode. It reports token
+identity against stock, the k = 0 throughput ratio (best of ``--repeats`` runs each) and the
+decode step time at batch ``--decode-batch`` of stock and of the plugin at k = 0. KV capacity
+is ample at every level, so all engines schedule the same batches.
+
+``live`` runs the plugin's policy with a small KV budget under a burst, then a light tail:
+the level should climb under pressure and come back down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import write_results
+
+CAPTURE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+WORKER = "dynoff.compile_pass.worker.DynamicOffloadWorker"
+SCHEDULER = "dynoff.policy.scheduler.DynamicOffloadScheduler"
+
+
+def workload(count: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) pairs with ShareGPT-like lengths."""
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, 30000) for _ in range(rng.randint(32, 512))], rng.randint(32, 256))
+        for _ in range(count)
+    ]
+
+
+def forced_schedule(max_level: int) -> list[list[int]]:
+    """0 -> max in four steps while the batch prefills and decodes, hold, then back to 0."""
+    ups = sorted({max(1, round(max_level * f)) for f in (0.25, 0.5, 0.75, 1.0)})
+    schedule = [[0, 0]] + [[12 + 8 * n, level] for n, level in enumerate(ups)]
+    downs = [*reversed(ups[:-1]), 0]
+    start = 12 + 8 * len(ups) + 60
+    return schedule + [[start + 8 * n, level] for n, level in enumerate(downs)]
+
+
+def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=2048,
+        seed=0,
+        max_num_seqs=256,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        compilation_config={"cudagraph_capture_sizes": CAPTURE},
+        disable_log_stats=True,
+    )
+    if mode == "stock":
+        return kwargs
+    from dynoff.compile_pass.config import dynoff_compilation_config
+
+    offload: dict[str, Any] = {"trace_path": trace}
+    if mode == "k0":
+        offload["level_schedule"] = [[0, 0]]
+    elif mode == "forced":
+        offload["level_schedule"] = forced_schedule(args.max_level)
+        offload["policy"] = {"max_level": args.max_level}
+    else:  # live
+        offload["policy"] = {
+            "max_level": args.max_level,
+            "cooldown_steps": 10,
+            "high_threshold": 0.85,
+            "low_threshold": 0.4,
+        }
+        kwargs["gpu_memory_utilization"] = args.live_memory_utilization
+    kwargs.update(
+        worker_cls=WORKER,
+        scheduler_cls=SCHEDULER,
+        compilation_config=dynoff_compilation_config({"cudagraph_capture_sizes": CAPTURE}),
+        additional_config={"dynamic_offload": offload},
+    )
+    return kwargs
+
+
+def run_engine(mode: str, model: str, out: Path, trace: Path, args: argparse.Namespace) -> None:
+    """One engine (in its own process): time it over the workload, write outputs as JSON."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    start = time.time()
+    llm = LLM(**engine_kwargs(mode, model, str(trace), args))
+    result: dict[str, Any] = {"mode": mode, "startup_s": round(time.time() - start, 1)}
+
+    def generate(batch: list[tuple[list[int], int]]) -> tuple[float, list[list[int]]]:
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in batch]
+        params = [
+            SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
+            for _, n in batch
+        ]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+    requests = workload(args.requests)
+    if mode == "live":
+        burst = workload(args.requests, seed=1)
+        elapsed, outputs = generate(burst)
+        _, tail = generate([(ids[:64], 400) for ids, _ in requests[:2]])
+        result.update(burst_s=elapsed, outputs=outputs + tail)
+    elif mode == "forced":
+        elapsed, outputs = generate(requests)  # the schedule counts steps from engine start
+        result.update(seconds=[elapsed], outputs=outputs)
+    else:
+        seconds, outputs = [], []
+        for _ in range(args.repeats):
+            elapsed, outputs = generate(requests)
+            seconds.append(elapsed)
+        result.update(seconds=seconds, outputs=outputs)
+        # Decode step time: the same batch with 1 and with 1 + T output tokens.
+        ids = [[(i * 131 + j) % 30000 + 3 for j in range(32)] for i in range(args.decode_batch)]
+        batch = [(prompt, 1) for prompt in ids]
+        generate(batch)  # warm
+        t1, _ = generate(batch)
+        t2, _ = generate([(ids, 1 + args.decode_tokens) for ids, _ in batch])
+        result["decode_ms"] = round((t2 - t1) / args.decode_tokens * 1e3, 3)
+    result["output_tokens"] = sum(n for _, n in requests)
+    out.write_text(json.dumps(result))
+
+
+def first_divergence(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
+    differing = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    positions = [
+        next(p for p, (s, t) in enumerate(zip(a[i], b[i], strict=False)) if s != t)
+        if len(a[i]) == len(b[i])
+        else -1
+        for i in differing
+    ]
+    return {"requests_differing": len(differing), "first_positions": positions[:20]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--phase", choices=["identity", "live"], default="identity")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-level", type=int, default=18)
+    parser.add_argument("--decode-batch", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--live-memory-utilization", type=float, default=0.2)
+    parser.add_argument("--engine", nargs=3, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.engine:
+        mode, out, trace = args.engine
+        run_engine(mode, args.model, Path(out), Path(trace), args)
+        return
+
+    from dynoff.policy.trace import summarize_trace
+
+    logs = Path(args.out).parent
+    work = Path("/tmp/dynoff-e2e-correctness")
+    work.mkdir(parents=True, exist_ok=True)
+    modes = ["stock", "k0", "forced"] if args.phase == "identity" else ["live"]
+    results: dict[str, Any] = {"phase": args.phase, "model": args.model, "engines": {}}
+    for mode in modes:
+        out, trace = work / f"{mode}.json", work / f"{mode}.jsonl"
+        trace.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "bench.gpu.e2e_correctness", *sys.argv[1:]]
+        cmd += ["--engine", mode, str(out), str(trace)]
+        print(f"[e2e] engine {mode} ...", flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=580)
+        (logs / f"{mode}.log").write_text(proc.stdout[-20000:] + proc.stderr[-60000:])
+        if proc.returncode != 0:
+            results["engines"][mode] = {"error": proc.stderr[-3000:]}
+            print(f"[e2e] engine {mode} failed:\n{proc.stderr[-3000:]}", flush=True)
+            break
+        result = json.loads(out.read_text())
+        if trace.exists():
+            result["trace"] = summarize_trace(trace)
+            (logs / f"{mode}_trace.jsonl").write_text(trace.read_text()[-2_000_000:])
+        results["engines"][mode] = result
+        print(f"[e2e] {mode}: " + json.dumps({k: v for k, v in result.items() if k != "outputs"}))
+
+    engines = results["engines"]
+    outputs = {m: e["outputs"] for m, e in engines.items() if "outputs" in e}
+    if "stock" in outputs:
+        results["requests"] = len(outputs["stock"])
+        for mode in ("k0", "forced"):
+            if mode in outputs:
+                results[f"{mode}_token_identical"] = outputs[mode] == outputs["stock"]
+                results[f"{mode}_divergence"] = first_divergence(outputs[mode], outputs["stock"])
+        if "forced" in outputs:
+            results["token_identical"] = results["forced_token_identical"]
+    if "stock" in engines and "k0" in engines and "seconds" in engines["k0"]:
+        stock_s, k0_s = min(engines["stock"]["seconds"]), min(engines["k0"]["seconds"])
+        results["k0_throughput_ratio"] = round(stock_s / k0_s, 4)
+        results["stock_decode_ms"] = engines["stock"]["decode_ms"]
+        results["k0_decode_ms"] = engines["k0"]["decode_ms"]
+        results["k0_ratio"] = round(engines["stock"]["decode_ms"] / engines["k0"]["decode_ms"], 4)
+    for mode in ("forced", "live"):
+        if "trace" in engines.get(mode, {}):
+            trace = engines[mode]["trace"]
+            results["level_changes"] = trace["level_changes"]
+            results["max_level_reached"] = max(trace["levels_visited"])
+            results["levels_visited"] = trace["levels_visited"]
+            results["resize_failures"] = trace["resize_failures"]
+    for engine in engines.values():
+        engine.pop("outputs", None)
+    write_results(args.out, results)
+    print(json.dumps({k: v for k, v in results.items() if k != "engines"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -36,8 +36,8 @@ def route_kv_allocation(
     model_runner._allocate_kv_cache_tensors = allocate
 
 
-def steer_cudagraph_dispatch(dispatcher: Any, level: Callable[[], int]) -> None:
-    """Route steps to the piecewise graphs while ``level() > 0`` (this dispatcher only)."""
+def steer_cudagraph_dispatch(dispatcher: Any, piecewise: Callable[[], bool]) -> None:
+    """Route steps to the piecewise graphs while ``piecewise()`` (this dispatcher only)."""
     from vllm.config import CUDAGraphMode
 
     original = dispatcher.dispatch
@@ -50,7 +50,7 @@ def steer_cudagraph_dispatch(dispatcher: Any, level: Callable[[], int]) -> None:
         valid_modes: Any = None,
         invalid_modes: Any = None,
     ) -> Any:
-        if level() > 0:
+        if piecewise():
             invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
         return original(
             num_tokens, uniform_decode, has_lora, num_active_loras, valid_modes, invalid_modes

@@ -24,6 +24,7 @@ class OffloadRuntime:
         self.engine = engine
         self._is_offloaded = is_offloaded
         self.level = 0
+        self.force_piecewise = False  # benchmarks: piecewise graphs at k = 0 too
         self.active: frozenset[int] = frozenset()
         self.calls = {"wait": 0, "prefetch": 0}
 

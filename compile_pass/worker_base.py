@@ -251,7 +251,9 @@ class DynamicOffloadMixin:
         dispatcher = getattr(self.model_runner, "cudagraph_dispatcher", None)  # type: ignore[attr-defined]
         if dispatcher is not None and not current_platform.is_cpu():
             runtime_ = state.runtime
-            hacks.steer_cudagraph_dispatch(dispatcher, lambda: runtime_.level)
+            hacks.steer_cudagraph_dispatch(
+                dispatcher, lambda: runtime_.level > 0 or runtime_.force_piecewise
+            )
         hacks.route_kv_allocation(self.model_runner, lambda _config: kv.tensors())  # type: ignore[attr-defined]
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
 
@@ -298,7 +300,8 @@ class DynamicOffloadMixin:
 
     # -- benchmarks (``LLM.collective_rpc``) -----------------------------------------------------
     def dynoff_stats(self, reset: bool = True) -> dict[str, Any]:
-        """This rank's level, layer size and prefetch transfers since the last call."""
+        """This rank's level, layer and KV geometry, and prefetch transfers since the last
+        call (timed when ``measure_transfers`` is on)."""
         state = self._dynoff
         return {
             "rank": self.rank,  # type: ignore[attr-defined]
@@ -307,8 +310,32 @@ class DynamicOffloadMixin:
             "num_layers": state.placement.num_layers,
             "layer_bytes": state.placement.layer_bytes,
             "pages_per_layer": state.placement.pages_per_layer,
+            "kv_block_bytes": sum(self._kv_strides()),
             "transfers": state.engine.transfer_stats(reset),
         }
+
+    def dynoff_force_piecewise(self, on: bool) -> None:
+        """Benchmarks: run the piecewise graphs at k = 0 too (the path every k > 0 takes)."""
+        self._dynoff.runtime.force_piecewise = on
+
+    def dynoff_link_peak(self, repeats: int = 5) -> float:
+        """Host-to-device GB/s of one layer-sized copy from pinned memory into a scratch
+        buffer, best of ``repeats``: the link's peak, measured in this process."""
+        sources = self._dynoff.engine.sources
+        if not sources or current_platform.is_cpu():
+            return 0.0
+        src = next(iter(sources.values()))
+        dst = torch.empty_like(src, device=torch.cuda.current_device())
+        best = float("inf")
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        del dst
+        return src.numel() / best / 1e9
 
     def _gather(self, outcomes: list[ResizeOutcome]) -> list[ResizeOutcome]:
         """Every rank's outcomes, on every rank (rank 0's report carries them)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Literal
 
 Estimator = Literal["measured", "model"]
@@ -102,6 +103,8 @@ class DynamicOffloadConfig:
         trace_path: JSON-lines trace of every step and level change; ``None`` = no trace.
         level_schedule: ``((step, level), ...)``: force these levels from these steps on,
             bypassing the policy (tests, demos, benchmarks at a fixed level).
+        level_file: a file holding one integer: while it exists, the scheduler forces that
+            level (read every step; benchmarks steer the level from outside the engine).
         host_page_size: page size of the host VMM backend (CPU runs); CUDA uses 2 MiB.
         layer_bytes: bytes of one decoder layer's weights; ``None`` = computed from the
             model config (the worker checks it against the real parameters).
@@ -116,6 +119,7 @@ class DynamicOffloadConfig:
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
     trace_path: str | None = None
     level_schedule: tuple[tuple[int, int], ...] = ()
+    level_file: str | None = None
     host_page_size: int = 2 << 20
     layer_bytes: int | None = None
     h2d_GBps: float = 53.0
@@ -137,7 +141,13 @@ class DynamicOffloadConfig:
             raise ValueError(f"host_page_size={self.host_page_size} must be a multiple of 4096")
 
     def forced_level(self, step: int) -> int | None:
-        """The scheduled level at ``step``, or None when the policy decides."""
+        """The forced level at ``step`` (``level_file`` first, then ``level_schedule``), or
+        None when the policy decides."""
+        if self.level_file is not None:
+            try:
+                return max(0, int(Path(self.level_file).read_text().strip()))
+            except (FileNotFoundError, ValueError):
+                pass  # no file (or half-written): fall through
         level = None
         for start, scheduled in self.level_schedule:
             if step >= start:

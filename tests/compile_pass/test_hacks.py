@@ -62,7 +62,7 @@ def test_dispatch_signature_and_steering() -> None:
 
     level = [0]
     recorder = Recorder()
-    hacks.steer_cudagraph_dispatch(recorder, lambda: level[0])
+    hacks.steer_cudagraph_dispatch(recorder, lambda: level[0] > 0)
     recorder.dispatch(8, True)
     assert recorder.calls[-1][-1] is None  # k = 0: vLLM decides (FULL decode graphs)
     level[0] = 2

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from dynoff.policy.config import PolicyConfig
+from dynoff.policy.config import DynamicOffloadConfig, PolicyConfig
 
 GIB = 1 << 30
 
@@ -52,7 +54,6 @@ def test_model_estimator_needs_a_model() -> None:
 
 
 def test_plugin_config_parses_and_refuses_unknown_keys() -> None:
-    from dynoff.policy.config import DynamicOffloadConfig
 
     config = DynamicOffloadConfig.from_dict(
         {"policy": {"cooldown_steps": 5, "warmup": True}, "level_schedule": [[0, 1], [9, 0]]}
@@ -81,3 +82,15 @@ def test_messages_survive_pickling() -> None:
     report = StepReport(10, 2, 12.5, True, 8, 0, (ResizeOutcome(3, 1, False, "boom"),))
     assert pickle.loads(pickle.dumps(command)) == command
     assert pickle.loads(pickle.dumps(report)).failed(3)[0].error == "boom"
+
+
+def test_level_file_forces_the_level_while_it_exists(tmp_path: Path) -> None:
+    control = tmp_path / "level"
+    config = DynamicOffloadConfig.from_dict(
+        {"level_file": str(control), "level_schedule": [[0, 1]]}
+    )
+    assert config.forced_level(5) == 1  # no file yet: the schedule
+    control.write_text("3\n")
+    assert config.forced_level(5) == 3
+    control.write_text("")  # half-written: ignored
+    assert config.forced_level(5) == 1

@@ -1,37 +1,77 @@
-"""The ``compilation_config`` that turns the pass on in vLLM.
+"""The ``compilation_config`` that turns the pass on in vLLM, for either compilation route.
 
-    vllm serve MODEL -cc "$(python -m dynoff.compile_pass.config)"
+    vllm serve MODEL -cc "$(python -m dynoff.compile_pass.config)"              # partition
+    vllm serve MODEL -cc "$(python -m dynoff.compile_pass.config --route split)"
 
-or in Python ``LLM(..., compilation_config=dynoff_compilation_config())``. It registers the
-pass by import path (resolved by vLLM as ``dynoff.LAYER_PREFETCH_PASS``), turns on Inductor
-graph partitioning (the pass sees the whole graph and Inductor cuts CUDA-graph pieces at the
-ops) and lists the ops as split points next to vLLM's attention ops (listing
-``splitting_ops`` replaces vLLM's defaults, so those must be repeated).
+or in Python ``LLM(..., compilation_config=dynoff_compilation_config())``.
+
+* ``partition`` (default): the pass is registered by import path as Inductor's post-grad
+  custom pass (resolved by vLLM as ``dynoff.LAYER_PREFETCH_PASS``), Inductor graph
+  partitioning is on (the pass sees the whole graph, Inductor cuts CUDA-graph pieces at the
+  ops), and the ops are listed as split points next to vLLM's attention ops.
+* ``split``: Inductor partitioning stays off, as in stock vLLM; the ops are listed as split
+  points and the pass runs on Dynamo's graph just before vLLM's FX split
+  (:func:`dynoff.compile_pass.hacks.run_pass_before_fx_split`), so the pieces between split
+  points are compiled exactly as stock vLLM compiles its pieces.
+
+Listing ``splitting_ops`` replaces vLLM's defaults, so those are repeated.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-from typing import Any
+from typing import Any, Literal
 
 from dynoff.compile_pass.ops import OP_NAMES
 
 PASS_PATH = "dynoff.LAYER_PREFETCH_PASS"
+Route = Literal["partition", "split"]
+ROUTES = ("partition", "split")
 
 
-def dynoff_compilation_config(base: dict[str, Any] | None = None) -> dict[str, Any]:
+def dynoff_compilation_config(
+    base: dict[str, Any] | None = None, route: Route = "partition"
+) -> dict[str, Any]:
     from vllm.config import CompilationConfig
 
+    if route not in ROUTES:
+        raise ValueError(f"route={route!r}: use one of {ROUTES}")
     config = dict(base or {})
-    passes = dict(config.get("inductor_passes") or {})
-    passes["post_grad_custom_post_pass"] = PASS_PATH
     splitting = list(config.get("splitting_ops") or CompilationConfig._attention_ops)
     splitting += [op for op in OP_NAMES if op not in splitting]
-    config.update(
-        inductor_passes=passes, use_inductor_graph_partition=True, splitting_ops=splitting
-    )
+    config["splitting_ops"] = splitting
+    if route == "partition":
+        passes = dict(config.get("inductor_passes") or {})
+        passes["post_grad_custom_post_pass"] = PASS_PATH
+        config.update(inductor_passes=passes, use_inductor_graph_partition=True)
+    else:
+        config["use_inductor_graph_partition"] = False
     return config
 
 
+def compile_route(compilation_config: Any) -> Route | None:
+    """The route a vLLM ``CompilationConfig`` sets up, or None when the ops would never be
+    inserted (offloading would then run layers on another layer's weights)."""
+    splitting = set(compilation_config.splitting_ops or ())
+    from dynoff.compile_pass.fx_pass import LAYER_PREFETCH_PASS
+
+    key = "post_grad_custom_post_pass"
+    named = (compilation_config.inductor_passes or {}).get(key)
+    resolved = (compilation_config.inductor_compile_config or {}).get(key)
+    has_pass = named == PASS_PATH or resolved is LAYER_PREFETCH_PASS
+    if compilation_config.use_inductor_graph_partition:
+        return "partition" if has_pass and set(OP_NAMES) <= splitting else None
+    if set(OP_NAMES) <= splitting:
+        return "split"
+    return "partition" if has_pass else None  # CPU: one Inductor graph, no split points
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Print the plugin's compilation_config JSON.")
+    parser.add_argument("--route", choices=ROUTES, default="partition")
+    print(json.dumps(dynoff_compilation_config(route=parser.parse_args().route)))
+
+
 if __name__ == "__main__":
-    print(json.dumps(dynoff_compilation_config()))
+    main()

@@ -1,10 +1,13 @@
 """``LayerPrefetchPass``: insert the wait and prefetch ops at decoder-layer boundaries.
 
-Contract (post-grad FX graph, one whole graph when vLLM uses Inductor graph partition):
+Contract. The pass runs on one whole graph: the post-grad graph when vLLM uses Inductor graph
+partition (route ``partition``, registered as ``post_grad_custom_post_pass``), or Dynamo's
+graph right before vLLM's FX split (route ``split``, :func:`.hacks.run_pass_before_fx_split`).
 
-* Layer L's nodes are the ``call_function`` nodes whose ``meta["nn_module_stack"]`` names
-  ``...layers.L...`` (the innermost such index wins). The pass needs layers 0..N-1, all
-  present; otherwise it leaves the graph alone and logs why.
+* Layer L's nodes are the ``call_function`` / ``call_method`` nodes whose
+  ``meta["nn_module_stack"]`` names ``...layers.L...`` (the innermost such index wins).
+  The pass needs layers 0..N-1, all present; otherwise it leaves the graph alone and logs
+  why.
 * Before layer L's first node it inserts ``dynoff.wait_layer(x, L)``, where ``x`` is that
   node's first tensor input produced outside layer L (the residual stream entering L).
 * After layer L's last *weight use* (the last non-view node reading a placeholder that only
@@ -106,7 +109,7 @@ class LayerPrefetchPass(InductorPass):
     def _nodes_by_layer(self, graph: fx.Graph) -> dict[int, list[fx.Node]]:
         by_layer: dict[int, list[fx.Node]] = defaultdict(list)
         for node in graph.nodes:
-            if node.op == "call_function":
+            if node.op in ("call_function", "call_method"):
                 layer = self.layer_of(node)
                 if layer is not None:
                     by_layer[layer].append(node)
@@ -164,12 +167,25 @@ class LayerPrefetchPass(InductorPass):
             graph.call_function(PREFETCH, (anchor, other))
 
 
+# Views at the Dynamo level (route ``split``): tensor methods and torch functions.
+_VIEW_METHODS = frozenset(
+    {"view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "chunk"}
+)
+_VIEW_FUNCTIONS = frozenset({torch.t, torch.transpose, torch.reshape, torch.permute, torch.chunk})
+
+
 def _is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and bool(getattr(node.target, "is_view", False))
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op != "call_function":
+        return False
+    return bool(getattr(node.target, "is_view", False)) or node.target in _VIEW_FUNCTIONS
 
 
 def _is_tensor(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
+    """Post-grad graphs keep the fake value in ``val``, Dynamo's in ``example_value``."""
+    value = node.meta.get("val", node.meta.get("example_value"))
+    return isinstance(value, torch.Tensor)
 
 
 def _normalize(path: str) -> str:

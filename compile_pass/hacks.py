@@ -1,21 +1,27 @@
-"""HACK(vllm-0.26.0-private): the only two private vLLM functions the plugin wraps.
+"""HACK(vllm-0.26.0-private): the only private vLLM functions the plugin wraps.
 
-Written against vLLM 0.26.0; ``tests/compile_pass/test_hacks.py`` fails if either changes.
+Written against vLLM 0.26.0; ``tests/compile_pass/test_hacks.py`` fails if any changes.
 
 1. ``GPUModelRunner._allocate_kv_cache_tensors(kv_cache_config) -> {layer: int8 tensor}``
    allocates the KV buffers with ``torch.zeros``. The worker replaces it *on its own runner
    instance* with a function returning VMM-backed tensors (reserved for the largest
    capacity, mostly unmapped, never zero-filled). vLLM has no hook for this.
-3. ``CudagraphDispatcher.dispatch(num_tokens, uniform_decode, has_lora, num_active_loras,
-   valid_modes, invalid_modes)``: while any layer is offloaded (k > 0), the worker adds
-   ``FULL`` to ``invalid_modes`` on its own runner's dispatcher, so the step replays the
-   piecewise graphs and the ops run between pieces; at k = 0 vLLM's FULL decode graphs run
-   untouched (the ops were captured in them as no-ops).
 2. ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight)``
    on the CPU platform hands each linear layer's weight to oneDNN (a private packed copy)
    and drops the Parameter. During ``load_model`` only, the worker swaps it for a version
    that keeps the Parameter and computes with ``F.linear`` on it, so the weights can live
    in VMM ranges and be remapped. CPU only; CUDA reads ``param.data`` directly.
+3. ``CudagraphDispatcher.dispatch(num_tokens, uniform_decode, has_lora, num_active_loras,
+   valid_modes, invalid_modes)``: while any layer is offloaded (k > 0), the worker adds
+   ``FULL`` to ``invalid_modes`` on its own runner's dispatcher, so the step replays the
+   piecewise graphs and the ops run between pieces; at k = 0 vLLM's FULL decode graphs run
+   untouched (the ops were captured in them as no-ops).
+4. ``vllm.compilation.backends.split_graph(graph, splitting_ops)``, which ``VllmBackend``
+   calls by name on Dynamo's graph when Inductor graph partition is off. For the ``split``
+   compilation route (:func:`dynoff.compile_pass.config.dynoff_compilation_config`) the
+   plugin wraps it so the layer pass runs on the whole graph first; vLLM then cuts the graph
+   at the ops like at its attention ops, and Inductor compiles the pieces as in stock vLLM.
+   It acts only when the ops are in ``splitting_ops``: stock runs are untouched.
 """
 
 from __future__ import annotations
@@ -57,6 +63,26 @@ def steer_cudagraph_dispatch(dispatcher: Any, piecewise: Callable[[], bool]) -> 
         )
 
     dispatcher.dispatch = dispatch
+
+
+def run_pass_before_fx_split(layer_pass: Callable[[Any], None]) -> None:
+    """Make vLLM's FX split run ``layer_pass`` on the whole graph first (idempotent)."""
+    import vllm.compilation.backends as backends
+
+    from dynoff.compile_pass.ops import OP_NAMES
+
+    original = backends.split_graph
+    if getattr(original, "dynoff_wrapped", False):
+        return
+
+    def split_graph(graph: Any, splitting_ops: list[str]) -> Any:
+        if any(op in splitting_ops for op in OP_NAMES):
+            layer_pass(graph.graph)
+            graph.recompile()
+        return original(graph, splitting_ops)
+
+    split_graph.dynoff_wrapped = True  # type: ignore[attr-defined]
+    backends.split_graph = split_graph
 
 
 def _keep_weight(layer: torch.nn.Module, remove_weight: bool) -> None:

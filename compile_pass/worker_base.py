@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 import torch
 from torch import nn
+from vllm.config import CompilationMode
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
@@ -32,6 +33,8 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, M
 from dynoff.allocator import VmmArena
 from dynoff.allocator.kv_cache import VmmKVCache
 from dynoff.compile_pass import hacks, runtime
+from dynoff.compile_pass.config import Route, compile_route
+from dynoff.compile_pass.fx_pass import LAYER_PREFETCH_PASS
 from dynoff.compile_pass.levels import LevelChanger, gather_outcomes
 from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
@@ -79,6 +82,24 @@ def check_gpu_config(vllm_config: Any) -> None:
             f"graphs, which this mode does not capture; use one of {STEERABLE_MODES} "
             "(the default FULL_AND_PIECEWISE keeps FULL decode graphs at k = 0)"
         )
+
+
+def check_compile_config(compilation_config: Any) -> Route:
+    """The compilation route, or the reason the layer ops would never run."""
+    if compilation_config.mode == CompilationMode.NONE:
+        raise ValueError(
+            "dynamic offload inserts its ops with torch.compile; compilation mode NONE "
+            "(--enforce-eager) cannot run it"
+        )
+    route = compile_route(compilation_config)
+    if route is None:
+        raise ValueError(
+            "dynamic offload needs its layer pass in the compilation config, or offloaded "
+            "layers would run on another layer's weights: pass "
+            '-cc "$(python -m dynoff.compile_pass.config)" (Python: '
+            "compilation_config=dynoff_compilation_config())"
+        )
+    return route
 
 
 def with_report(output: Any, report: StepReport) -> Any:
@@ -135,6 +156,10 @@ class DynamicOffloadMixin:
             raise ValueError("dynamic offload does not support pipeline parallelism yet")
         if not current_platform.is_cpu():
             check_gpu_config(vllm_config)
+        route = check_compile_config(vllm_config.compilation_config)
+        if route == "split":
+            hacks.run_pass_before_fx_split(LAYER_PREFETCH_PASS)
+        logger.info("dynamic offload: compilation route %r", route)
         extra = vllm_config.additional_config
         raw = extra.get(DynamicOffloadConfig.KEY) if isinstance(extra, dict) else None
         config = DynamicOffloadConfig.from_dict(raw)

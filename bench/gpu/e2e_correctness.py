@@ -94,7 +94,9 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
     kwargs.update(
         worker_cls=WORKER,
         scheduler_cls=SCHEDULER,
-        compilation_config=dynoff_compilation_config({"cudagraph_capture_sizes": CAPTURE}),
+        compilation_config=dynoff_compilation_config(
+            {"cudagraph_capture_sizes": CAPTURE}, route=args.route
+        ),
         additional_config={"dynamic_offload": offload},
     )
     return kwargs
@@ -170,6 +172,8 @@ def main() -> None:
     parser.add_argument("--decode-batch", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--engines", nargs="+", default=None, help="subset of the phase's")
+    parser.add_argument("--route", choices=["partition", "split"], default="partition")
+    parser.add_argument("--workdir", default="/tmp/dynoff-e2e-correctness")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--live-memory-utilization", type=float, default=0.2)
     parser.add_argument("--engine", nargs=3, default=None, help=argparse.SUPPRESS)
@@ -182,10 +186,15 @@ def main() -> None:
     from dynoff.policy.trace import summarize_trace
 
     logs = Path(args.out).parent
-    work = Path("/tmp/dynoff-e2e-correctness")
+    work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     modes = ["stock", "partition", "k0", "forced"] if args.phase == "identity" else ["live"]
-    results: dict[str, Any] = {"phase": args.phase, "model": args.model, "engines": {}}
+    results: dict[str, Any] = {
+        "phase": args.phase,
+        "model": args.model,
+        "route": args.route,
+        "engines": {},
+    }
     for mode in args.engines or modes:
         out, trace = work / f"{mode}.json", work / f"{mode}.jsonl"
         trace.unlink(missing_ok=True)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from vllm.config import CompilationConfig
 
 from dynoff.compile_pass.config import PASS_PATH, dynoff_compilation_config
 from dynoff.compile_pass.fx_pass import LayerPrefetchPass
+from dynoff.compile_pass.worker_base import check_compile_config
 
 
 def test_config_keeps_attention_split_points_and_adds_ours() -> None:
@@ -23,3 +25,16 @@ def test_vllm_resolves_the_pass_from_its_import_path() -> None:
     assert isinstance(
         resolved.inductor_compile_config["post_grad_custom_post_pass"], LayerPrefetchPass
     )
+
+
+@pytest.mark.parametrize("route", ["partition", "split"])
+def test_both_routes_are_recognised_in_vllms_own_config(route: str) -> None:
+    config = CompilationConfig(**dynoff_compilation_config(route=route), mode=3)
+    assert check_compile_config(config) == route
+
+
+def test_a_config_without_the_pass_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs its layer pass"):
+        check_compile_config(CompilationConfig(mode=3, use_inductor_graph_partition=True))
+    with pytest.raises(ValueError, match="enforce-eager"):
+        check_compile_config(CompilationConfig(mode=0))

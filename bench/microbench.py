@@ -347,7 +347,7 @@ def main() -> None:
     parser.add_argument("--route", choices=["partition", "split"], default="partition")
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--prefill-prompts", type=int, default=4)
+    parser.add_argument("--prefill-prompts", type=int, default=8)
     parser.add_argument("--mixed-prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -20,7 +20,7 @@ import torch
 
 from bench.common import median, write_results
 from dynoff.allocator import ZERO_PAGE, VmmArena, VmmRange
-from dynoff.compile_pass.prefetch import trace_range
+from dynoff.policy.trace import trace_range
 
 # Qwen3-32B decoder layer in bf16: q,o 5120x8192; k,v 5120x1024; gate,up,down 5120x25600.
 QWEN3_32B_LAYER_BYTES = 2 * (2 * 5120 * 8192 + 2 * 5120 * 1024 + 3 * 5120 * 25600 + 2 * 5120)

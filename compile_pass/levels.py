@@ -23,6 +23,7 @@ from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.runtime import OffloadRuntime
 from dynoff.policy.messages import OffloadCommand, ResizeOutcome
+from dynoff.policy.trace import trace_range
 
 logger = logging.getLogger("vllm.dynoff.levels")
 
@@ -67,6 +68,10 @@ class LevelChanger:
 
     def apply(self, command: OffloadCommand) -> ResizeOutcome:
         """Apply locally; on failure this rank stays at its old level."""
+        with trace_range(f"dynoff.remap.{self.level}->{command.target_level}"):
+            return self._apply(command)
+
+    def _apply(self, command: OffloadCommand) -> ResizeOutcome:
         start = time.perf_counter()
         before = self.placement.arena.stats().calls
         try:

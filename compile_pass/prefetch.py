@@ -9,26 +9,11 @@ range (domain ``dynoff``) and a ``torch.profiler`` range.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 
-try:
-    import nvtx as _nvtx
-except ImportError:  # pragma: no cover - a declared dependency; only profiling needs it
-    _nvtx = None
-
-
-@contextlib.contextmanager
-def trace_range(name: str) -> Iterator[None]:
-    """An NVTX range (Nsight) that torch.profiler also shows."""
-    with torch.profiler.record_function(name):
-        if _nvtx is None:
-            yield
-        else:
-            with _nvtx.annotate(name, domain="dynoff"):
-                yield
+from dynoff.policy.trace import trace_range
 
 
 class PrefetchEngine:

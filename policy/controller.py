@@ -28,7 +28,7 @@ from dynoff.policy.block_pool import CapacityPlan, ElasticBlockPool, KVLayout
 from dynoff.policy.config import DynamicOffloadConfig
 from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepShape
 from dynoff.policy.messages import OffloadCommand, ResizeOutcome, StepReport
-from dynoff.policy.trace import TraceWriter
+from dynoff.policy.trace import TraceWriter, trace_range
 
 logger = logging.getLogger("vllm.dynoff.policy")
 
@@ -88,7 +88,8 @@ class OffloadController:
             if ready:
                 command = self._issue(step, self.level - 1, unmap=ready)
             elif not self.elastic.draining:
-                command = self._maybe_move(step, waiting)
+                with trace_range("dynoff.policy.decide"):
+                    command = self._maybe_move(step, waiting)
         self._record(step, waiting, running)
         return command
 

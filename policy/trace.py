@@ -6,10 +6,31 @@ shutdown log), :func:`summarize_trace` feeds it a trace file (demo, tests, bench
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
+
+import torch
+
+try:
+    import nvtx as _nvtx
+except ImportError:  # pragma: no cover - a declared dependency; only profiling needs it
+    _nvtx = None
+
+
+@contextlib.contextmanager
+def trace_range(name: str) -> Iterator[None]:
+    """An NVTX range in domain ``dynoff`` (Nsight Systems) that ``torch.profiler`` also
+    shows: every prefetch, wait, remap and policy decision runs inside one."""
+    with torch.profiler.record_function(name):
+        if _nvtx is None:
+            yield
+        else:
+            with _nvtx.annotate(name, domain="dynoff"):
+                yield
 
 
 class TraceSummary:

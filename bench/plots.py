@@ -1,7 +1,10 @@
-"""Plots of the microbenchmark results (PNG), the analogues of the seed's Figures 4 and 5 and
-Table 1.
+"""Plots (PNG) of the microbenchmark and serving results.
 
-    python -m bench.plots bench/results/microbench_*_h200.json --out bench/results/plots
+    python -m bench.plots microbench bench/results/microbench_*_h200.json --out bench/results/plots
+    python -m bench.plots serving bench/results/serving_qwen3-32b_b_*_h200.json \
+        --out bench/results/plots --name serving_qwen3-32b_b [--cdf-rate 14]
+
+Microbenchmark (the analogues of the seed's Figures 4 and 5 and Table 1):
 
 * ``microbench_h2d.png``: achieved H2D throughput of the prefetches against offloaded layers,
   with the link peak measured in the same run;
@@ -9,6 +12,13 @@ Table 1.
   layers, KV capacity (GiB) on a second axis, one panel per model;
 * ``microbench_resize.png``: a table of level-change costs (wall, driver calls, waiting for
   queued work, restoring layers, page slots remapped).
+
+Serving (one file per system, same model, memory and workload):
+
+* ``<name>_latency.png``: median and P99 TTFT, TBT and E2E against achieved rate;
+* ``<name>_cdf.png``: TTFT and E2E CDFs at one target rate (default: the lowest rate at
+  which stock vLLM is not sustainable, i.e. above its saturation);
+* ``<name>_trace.png``: the plugin's level, KV utilisation and waiting queue over time.
 """
 
 from __future__ import annotations
@@ -163,21 +173,96 @@ def plot_resize(runs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
     return path
 
 
+def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(p.read_text()) for p in paths]
+    written = []
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    for ax, metric in zip(axes, ("ttft_ms", "tbt_ms", "e2e_ms"), strict=True):
+        for run in runs:
+            rates = run["rates"]
+            xs = [r["achieved_rate"] for r in rates]
+            p50 = [r[metric]["p50"] for r in rates]
+            line = ax.plot(xs, p50, "o-", label=f"{run['system']} p50")
+            p99 = [r[metric]["p99"] for r in rates]
+            ax.plot(xs, p99, "x--", color=line[0].get_color(), label=f"{run['system']} p99")
+        ax.set_yscale("log")
+        ax.set_xlabel("achieved rate (req/s)")
+        ax.set_ylabel(metric.replace("_ms", " (ms)").upper())
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{name}: latency vs achieved rate")
+    fig.tight_layout()
+    written.append(out / f"{name}_latency.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    if cdf_rate is None:  # the lowest offered rate stock vLLM cannot sustain
+        stock = next((r for r in runs if r["system"] == "stock"), runs[0])
+        over = [r["target_rate"] for r in stock["rates"] if not r["sustainable"]]
+        cdf_rate = min(over) if over else max(r["target_rate"] for r in stock["rates"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.0))
+    for ax, metric in zip(axes, ("ttft", "e2e"), strict=True):
+        for run in runs:
+            entry = next((r for r in run["rates"] if r["target_rate"] == cdf_rate), None)
+            if entry and entry["cdf_ms"][metric]:
+                values = entry["cdf_ms"][metric]
+                fractions = [i / (len(values) - 1) for i in range(len(values))]
+                ax.plot(values, fractions, label=run["system"])
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{metric.upper()} (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{name}: CDF at {cdf_rate:g} req/s offered")
+    fig.tight_layout()
+    written.append(out / f"{name}_cdf.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    ours = [r for r in runs if r.get("trace")]
+    if ours:
+        fig, axes = plt.subplots(3, 1, figsize=(11, 7), sharex=True)
+        for run in ours:
+            trace = run["trace"]
+            ts = [r["t"] for r in trace]
+            axes[0].step(ts, [r["level"] for r in trace], where="post", label=run["system"])
+            axes[1].plot(ts, [r["kv_util"] for r in trace], lw=0.8, label=run["system"])
+            axes[2].plot(ts, [r["waiting"] for r in trace], lw=0.8, label=run["system"])
+        labels = ("offload level k", "KV utilisation", "waiting requests")
+        for ax, label in zip(axes, labels, strict=True):
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        axes[-1].set_xlabel("engine time (s)")
+        fig.suptitle(f"{name}: the plugin over time")
+        fig.tight_layout()
+        written.append(out / f"{name}_trace.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
+
+
 def main() -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kind", choices=["microbench", "serving"])
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--name", default="serving", help="serving: file name prefix")
+    parser.add_argument("--cdf-rate", type=float, default=None)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = _load(args.results)
-    for path in (
-        plot_h2d(runs, args.out),
-        plot_iteration(runs, args.out),
-        plot_resize(runs, args.out),
-    ):
+    if args.kind == "serving":
+        paths = plot_serving(args.results, args.out, args.name, args.cdf_rate)
+    else:
+        runs = _load(args.results)
+        paths = [plot_h2d(runs, args.out), plot_iteration(runs, args.out)]
+        paths.append(plot_resize(runs, args.out))
+    for path in paths:
         print(path)
 
 

@@ -42,6 +42,7 @@ def page_size_for(config: DynamicOffloadConfig) -> int:
 class DynamicOffloadScheduler(AsyncScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._left_waiting = 0
         vllm_config = self.vllm_config
         extra = vllm_config.additional_config
         raw = extra.get(DynamicOffloadConfig.KEY) if isinstance(extra, dict) else None
@@ -78,10 +79,13 @@ class DynamicOffloadScheduler(AsyncScheduler):
         )
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        # Pressure is what the last schedule left waiting (refused for KV space or the batch
+        # budget), not requests that arrived since and were never refused anything: counting
+        # those would read every arrival as pressure and push the level up at light load.
         step = self.current_step + 1
-        waiting = len(self.waiting) + len(self.skipped_waiting)
-        command = self.offload.on_schedule_start(step, waiting, len(self.running))
+        command = self.offload.on_schedule_start(step, self._left_waiting, len(self.running))
         output = super().schedule(*args, **kwargs)
+        self._left_waiting = len(self.waiting) + len(self.skipped_waiting)
         self.offload.on_schedule_end(step)
         setattr(output, SCHEDULER_OUTPUT_ATTR, command)
         return output

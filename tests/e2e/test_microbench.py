@@ -38,7 +38,15 @@ def test_microbench_sweeps_levels_and_plots(tmp_path: Path) -> None:
             assert cost["remap_ms"] >= cost["driver_ms"] > 0 and cost["slots_changed"] > 0
     assert results["resize"]["1->0"]["copy_ms"] > 0  # lowering restores from pinned copies
     plots = subprocess.run(
-        [sys.executable, "-m", "bench.plots", str(out), "--out", str(tmp_path / "plots")],
+        [
+            sys.executable,
+            "-m",
+            "bench.plots",
+            "microbench",
+            str(out),
+            "--out",
+            str(tmp_path / "plots"),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,0 +1,340 @@
+"""Open-loop serving benchmark: Poisson arrivals into an in-process ``AsyncLLM``.
+
+    python -m bench.serving --system dynamic --model /tmp/site/models/qwen3-32b \\
+        --workload bench/workloads/sharegpt.json --rates 8 12 14 16 --window 90 \\
+        --gpu-memory-utilization 0.62 --out $OUT/serving_qwen3-32b_b_dynamic_h200.json
+
+One engine start per system; the rates run in ascending order on it. Per rate: ``--warmup``
+seconds of arrivals, then a measurement window of ``--window`` seconds, then up to
+``--grace`` seconds for in-flight requests to finish; the rest are aborted and the prefix
+cache is reset, and every rate draws fresh prompts (no cache hits across rates).
+
+Systems (same model and memory): ``stock`` (vLLM's defaults), ``stock-piecewise``
+(``cudagraph_mode=PIECEWISE``: the graph-mode cost alone), ``dynamic`` (the plugin's
+policy), ``static`` (the plugin held at ``--static-level``) and ``prefetch`` (vLLM's own
+``PrefetchOffloader``, ``--prefetch-layers`` layers in groups of ``--prefetch-group``).
+
+Per request: TTFT, every inter-token gap (TBT) and E2E latency. Achieved rate = requests
+completed inside the window / window length. The waiting queue (arrived, no first token yet)
+is sampled every ``--sample`` seconds; **a rate is sustainable when the mean queue over the
+window's last quarter exceeds the mean over its first quarter by less than 5% of the window's
+arrivals**, and the maximum sustainable rate is the highest achieved rate among sustainable
+rates. For the plugin's systems the trace (level, KV utilisation, queue) is sampled every
+step. Runs on vLLM's CPU engine too (``--cpu``: a generated Llama, ``stock`` = the
+reference worker, ``dynamic``/``static`` = the plugin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import write_results
+from bench.workloads import prompt_ids
+
+SYSTEMS = ("stock", "stock-piecewise", "dynamic", "static", "prefetch")
+PLUGIN_SYSTEMS = ("dynamic", "static")
+DEFINITION = (
+    "achieved rate = requests completed inside the window / window length; a rate is "
+    "sustainable when the waiting queue (arrived, no first token) averaged over the window's "
+    "last quarter exceeds its average over the first quarter by less than 5% of the window's "
+    "arrivals; max sustainable rate = highest achieved rate among sustainable rates"
+)
+
+
+def engine_kwargs(args: argparse.Namespace, trace: Path) -> dict[str, Any]:
+    offload: dict[str, Any] = {"trace_path": str(trace)}
+    if args.system == "static":
+        offload["level_schedule"] = [[0, args.static_level]]
+    if args.policy:
+        offload["policy"] = json.loads(args.policy)
+    if args.cpu:
+        from bench.cpu_demo import engine_kwargs as cpu_kwargs
+
+        if args.system not in ("stock", *PLUGIN_SYSTEMS):
+            raise SystemExit(f"--cpu supports stock, dynamic and static, not {args.system}")
+        plugin = args.system in PLUGIN_SYSTEMS
+        return cpu_kwargs(
+            args.model, {**offload, "host_page_size": 64 << 10} if plugin else None, args.kv_bytes
+        )
+    kwargs: dict[str, Any] = dict(
+        model=args.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        quantization=args.quantization,
+        seed=0,
+    )
+    if args.system == "stock-piecewise":
+        kwargs["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    elif args.system == "prefetch":
+        kwargs.update(
+            offload_group_size=args.prefetch_group,
+            offload_num_in_group=1,
+            offload_prefetch_step=2,
+        )
+    elif args.system in PLUGIN_SYSTEMS:
+        from dynoff.compile_pass.config import dynoff_compilation_config
+
+        kwargs.update(
+            worker_cls="dynoff.compile_pass.worker.DynamicOffloadWorker",
+            scheduler_cls="dynoff.policy.scheduler.DynamicOffloadScheduler",
+            compilation_config=dynoff_compilation_config(route=args.route),
+            additional_config={"dynamic_offload": offload},
+        )
+    return kwargs
+
+
+class Request:
+    __slots__ = ("arrival", "done", "first", "gaps", "last", "tokens")
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.first: float | None = None
+        self.last: float | None = None
+        self.done: float | None = None
+        self.gaps: list[float] = []
+        self.tokens = 0
+
+
+async def one_request(engine: Any, rid: str, ids: list[int], output: int, req: Request) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(
+        max_tokens=output,
+        temperature=0,
+        ignore_eos=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, rid):
+        now = time.monotonic()
+        new = len(out.outputs[0].token_ids)
+        if new:
+            if req.first is None:
+                req.first = now
+            elif req.last is not None:
+                req.gaps += [(now - req.last) / new] * new
+            req.last = now
+            req.tokens += new
+        if out.finished:
+            req.done = now
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 2)
+
+
+def _quantiles(values: list[float], points: int = 100) -> list[float]:
+    """``points`` evenly spaced quantiles (ms), for CDF plots."""
+    if not values:
+        return []
+    ordered = sorted(values)
+    return [
+        round(ordered[min(len(ordered) - 1, int(i / points * len(ordered)))] * 1e3, 2)
+        for i in range(points + 1)
+    ]
+
+
+async def run_rate(
+    engine: Any, workload: list[dict[str, Any]], rate: float, salt: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    rng = random.Random(salt)
+    order = list(range(len(workload)))
+    rng.shuffle(order)
+    start = time.monotonic()
+    window_start, window_end = start + args.warmup, start + args.warmup + args.window
+    arrivals, t = [], start
+    while True:
+        t += rng.expovariate(rate)
+        if t >= window_end:
+            break
+        arrivals.append(t)
+    requests: list[Request] = []
+    tasks: list[asyncio.Task[None]] = []
+    samples: list[tuple[float, int, int]] = []
+
+    async def launch() -> None:
+        for n, at in enumerate(arrivals):
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            spec = workload[order[n % len(order)]]
+            segments = [[seed + salt * 10_000_000, length] for seed, length in spec["segments"]]
+            req = Request(time.monotonic())
+            requests.append(req)
+            ids = prompt_ids(segments, args.vocab)
+            tasks.append(
+                asyncio.create_task(one_request(engine, f"r{salt}-{n}", ids, spec["output"], req))
+            )
+
+    launcher = asyncio.create_task(launch())
+    bar = tqdm(total=round(window_end - start), desc=f"{rate:g} req/s", unit="s", leave=False)
+    while time.monotonic() < window_end:
+        await asyncio.sleep(args.sample)
+        waiting = sum(r.first is None for r in requests)
+        running = sum(r.first is not None and r.done is None for r in requests)
+        samples.append((round(time.monotonic() - start, 3), waiting, running))
+        bar.n = min(bar.total, round(time.monotonic() - start))
+        bar.refresh()
+    bar.close()
+    await launcher
+    grace_end = time.monotonic() + args.grace
+    while time.monotonic() < grace_end and any(r.done is None for r in requests):
+        await asyncio.sleep(0.2)
+    unfinished = [f"r{salt}-{n}" for n, r in enumerate(requests) if r.done is None]
+    if unfinished:
+        await engine.abort(unfinished)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+    measured = [r for r in requests if window_start <= r.arrival < window_end]
+    completed_in_window = sum(
+        1 for r in requests if r.done is not None and window_start <= r.done < window_end
+    )
+    done = [r for r in measured if r.done is not None]
+    ttft = [r.first - r.arrival for r in done if r.first is not None]
+    tbt = [g for r in done for g in r.gaps]
+    e2e = [r.done - r.arrival for r in done if r.done is not None]
+    quarter = args.window / 4
+    offset = args.warmup
+    first = [w for t_, w, _ in samples if offset <= t_ < offset + quarter]
+    last = [w for t_, w, _ in samples if t_ >= offset + 3 * quarter]
+    growth = (statistics.fmean(last) if last else 0.0) - (statistics.fmean(first) if first else 0.0)
+    arrivals_in_window = len(measured)
+    return {
+        "target_rate": rate,
+        "achieved_rate": round(completed_in_window / args.window, 3),
+        "arrivals_in_window": arrivals_in_window,
+        "completed_in_window": completed_in_window,
+        "measured_completed": len(done),
+        "measured_unfinished": len(measured) - len(done),
+        "aborted": len(unfinished),
+        "output_tokens_per_s": round(sum(r.tokens for r in done) / args.window, 1),
+        "queue_growth": round(growth, 2),
+        "sustainable": growth < 0.05 * max(1, arrivals_in_window),
+        "ttft_ms": {"p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99)},
+        "tbt_ms": {"p50": _pct(tbt, 0.5), "p99": _pct(tbt, 0.99)},
+        "e2e_ms": {"p50": _pct(e2e, 0.5), "p99": _pct(e2e, 0.99)},
+        "cdf_ms": {"ttft": _quantiles(ttft), "tbt": _quantiles(tbt), "e2e": _quantiles(e2e)},
+        "queue_samples": samples,
+        "window": [round(window_start - start, 3), round(window_end - start, 3)],
+    }
+
+
+def trace_series(trace: Path, limit: int = 4000) -> list[dict[str, Any]]:
+    """The plugin trace's per-step records (level, KV utilisation, queue), thinned."""
+    if not trace.exists():
+        return []
+    steps = []
+    for line in trace.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "step":
+            steps.append(
+                {k: record[k] for k in ("t", "step", "level", "kv_util", "waiting", "running")}
+            )
+    stride = max(1, len(steps) // limit)
+    return steps[::stride]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    workload = json.loads(Path(args.workload).read_text())
+    workdir = Path(tempfile.mkdtemp(prefix="dynoff-serving-"))
+    trace = workdir / "trace.jsonl"
+    started = time.monotonic()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(args, trace)))
+    startup_s = time.monotonic() - started
+    args.vocab = min(30000, engine.vllm_config.model_config.get_vocab_size())
+    results: dict[str, Any] = {
+        "system": args.system,
+        "model": args.model,
+        "workload": {k: v for k, v in workload.items() if k != "requests"},
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "definition": DEFINITION,
+        "startup_s": round(startup_s, 1),
+        "settings": {
+            k: getattr(args, k)
+            for k in ("window", "warmup", "grace", "static_level", "route", "policy")
+        },
+        "rates": [],
+    }
+    if args.system == "prefetch":
+        results["settings"]["prefetch_group"] = args.prefetch_group
+    try:
+        for n, rate in enumerate(tqdm(sorted(args.rates), desc=args.system, unit="rate")):
+            await engine.reset_prefix_cache()
+            entry = await run_rate(engine, workload["requests"], rate, n + 1, args)
+            results["rates"].append(entry)
+            tqdm.write(
+                json.dumps(
+                    {
+                        k: entry[k]
+                        for k in ("target_rate", "achieved_rate", "sustainable", "queue_growth")
+                    }
+                    | {"ttft_p50": entry["ttft_ms"]["p50"], "tbt_p50": entry["tbt_ms"]["p50"]}
+                )
+            )
+            if args.stop_after_unsustainable and not entry["sustainable"]:
+                break
+    finally:
+        engine.shutdown()
+    sustainable = [r["achieved_rate"] for r in results["rates"] if r["sustainable"]]
+    results["max_sustainable_rate"] = max(sustainable) if sustainable else None
+    if args.system in PLUGIN_SYSTEMS:
+        results["trace"] = trace_series(trace)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", choices=SYSTEMS, required=True)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--rates", type=float, nargs="+", required=True)
+    parser.add_argument("--window", type=float, default=90.0)
+    parser.add_argument("--warmup", type=float, default=20.0)
+    parser.add_argument("--grace", type=float, default=30.0)
+    parser.add_argument("--sample", type=float, default=0.5)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--static-level", type=int, default=4)
+    parser.add_argument("--prefetch-group", type=int, default=8)
+    parser.add_argument("--route", choices=["partition", "split"], default="partition")
+    parser.add_argument("--policy", default=None, help="JSON of policy settings (plugin)")
+    parser.add_argument("--stop-after-unsustainable", action="store_true")
+    parser.add_argument("--cpu", action="store_true", help="vLLM's CPU engine, generated model")
+    parser.add_argument("--kv-bytes", type=int, default=4 << 20, help="CPU KV cache bytes")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.model is None:
+        if not args.cpu:
+            parser.error("--model is required on GPU")
+        from bench.tiny_checkpoint import make_checkpoint
+
+        args.model = str(make_checkpoint(Path(tempfile.mkdtemp()) / "small-llama"))
+    results = asyncio.run(run(args))
+    write_results(args.out, results)
+    print(json.dumps({k: results[k] for k in ("system", "max_sustainable_rate", "startup_s")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,10 @@
 
 Measures, in one run: the pinned H2D peak of one layer copy alone, then the H2D bandwidth
 the prefetch engine achieves while an offloaded forward runs at k = 4 (copy-stream events
-around every copy), and the step time of the piecewise runner at each level.
+around every copy), and the step time of the piecewise runner at each level. Then the FULL
+graph alternative (``--full-levels``): per level, one CUDA graph of the whole forward with
+that level's copies and event waits captured inside; its capture time, graph-pool memory
+and step time next to the piecewise step time at the same level.
 
     python -m bench.prefetch_bench --out bench/results/prefetch_h200.json
 """
@@ -10,6 +13,9 @@ around every copy), and the step time of the piecewise runner at each level.
 from __future__ import annotations
 
 import argparse
+import json
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +25,7 @@ from dynoff.allocator import VmmArena
 from dynoff.compile_pass import runtime
 from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
-from tests.compile_pass.piecewise import PiecewiseRunner
+from tests.compile_pass.piecewise import FullGraphRunner, PiecewiseRunner
 from tests.compile_pass.toy_model import ToyDecoder
 
 
@@ -74,6 +80,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if level == n // 2:
             during = engine.achieved_bandwidth() / 1e9
         print(f"level {level}: step {step_ms[str(level)]:.2f} ms")
+    full: dict[str, dict[str, float]] = {}
+    for level in args.full_levels:
+        torch.cuda.synchronize()
+        engine.synchronize()
+        while placement.level > level:
+            placement.lower_level()
+        while placement.level < level:
+            placement.raise_level()
+        rt.set_level(level)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        start = time.perf_counter()
+        graph = FullGraphRunner(model, x, engine)
+        torch.cuda.synchronize()
+        capture_s = time.perf_counter() - start
+        memory = torch.cuda.memory_reserved() - before
+        full[str(level)] = {
+            "step_ms": cuda_ms(graph, args.repeats),
+            "piecewise_step_ms": step_ms[str(level)],
+            "capture_s": round(capture_s, 3),
+            "graph_pool_bytes": memory,
+        }
+        print(f"level {level}: FULL graph {full[str(level)]}")
+        del graph
     runtime.install(None)
     result = {
         "model": f"toy decoder, {n} layers, dim {args.dim}, hidden {args.hidden}, bf16",
@@ -84,10 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ratio": during / peak,
         "level_measured": n // 2,
         "step_ms_by_level_piecewise": step_ms,
-        "k0_decode_ms": None,
-        "stock_decode_ms": None,
-        "k0_ratio": None,
-        "k0_note": "needs vLLM on the GPU with the worker steering FULL graphs at k=0; not run",
+        "full_graph_by_level": full,
     }
     print(f"H2D peak {peak:.1f} GB/s, during forward {during:.1f} GB/s, ratio {during / peak:.3f}")
     return result
@@ -100,9 +127,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=14336)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--full-levels", type=int, nargs="*", default=[0, 1, 2, 4])
     parser.add_argument("--out", default="bench/results/prefetch_h200.json")
     args = parser.parse_args()
-    print(f"wrote {write_results(args.out, run(args))}")
+    result = run(args)
+    out = Path(args.out)
+    if out.exists():  # keep the k = 0 figures measured in vLLM (bench/gpu/e2e_correctness.sh)
+        earlier = json.loads(out.read_text())
+        result |= {k: v for k, v in earlier.items() if k.startswith("k0_")}
+    print(f"wrote {write_results(out, result)}")
 
 
 if __name__ == "__main__":

@@ -44,3 +44,48 @@ class PiecewiseRunner:
             if other is not None:
                 PREFETCH(self.h[layer + 1], other)
         return self.h[-1]
+
+
+class FullGraphRunner:
+    """The whole forward at one fixed level captured as ONE CUDA graph, the level's copies and
+    event waits inside it (the way vLLM's static ``PrefetchOffloader`` captures its copies).
+
+    The copy stream forks from and joins the capture through events; the copies of layers
+    i < k for the *next* step are joined before the graph ends, so a replay starts with every
+    region holding its first occupant and needs no wait on work outside the graph."""
+
+    def __init__(self, model: ToyDecoder, x: torch.Tensor, engine: object) -> None:
+        self.model = model
+        self.engine = engine
+        self.x = x.clone()
+        self.num_layers = len(model.layers)
+        self.out = torch.empty_like(model.embed(x))
+        self.graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside capture
+                self._forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.engine.synchronize()  # type: ignore[attr-defined]
+        with torch.cuda.graph(self.graph):
+            self._forward()
+
+    def _forward(self) -> None:
+        h = self.model.embed(self.x)
+        for layer in range(self.num_layers):
+            WAIT(h, layer)
+            h = self.model.layers[layer](h)
+            other = partner(layer, self.num_layers)
+            if other is not None:
+                PREFETCH(h, other)
+        self.out.copy_(h)
+        copy_stream = getattr(self.engine, "copy_stream", None)
+        if copy_stream is not None:  # join the copies issued for the next step
+            torch.cuda.current_stream().wait_stream(copy_stream)
+        self.engine.pending.clear()  # type: ignore[attr-defined]
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out

@@ -12,7 +12,8 @@ or in Python ``LLM(..., compilation_config=dynoff_compilation_config())``.
 * ``split``: Inductor partitioning stays off, as in stock vLLM; the ops are listed as split
   points and the pass runs on Dynamo's graph just before vLLM's FX split
   (:func:`dynoff.compile_pass.hacks.run_pass_before_fx_split`), so the pieces between split
-  points are compiled exactly as stock vLLM compiles its pieces.
+  points are compiled exactly as stock vLLM compiles its pieces. A no-op post-grad pass
+  (``dynoff.SPLIT_ROUTE_MARKER``) carries the pass's ``uuid()`` into vLLM's cache key.
 
 Listing ``splitting_ops`` replaces vLLM's defaults, so those are repeated.
 """
@@ -26,6 +27,7 @@ from typing import Any, Literal
 from dynoff.compile_pass.ops import OP_NAMES
 
 PASS_PATH = "dynoff.LAYER_PREFETCH_PASS"
+MARKER_PATH = "dynoff.SPLIT_ROUTE_MARKER"
 Route = Literal["partition", "split"]
 ROUTES = ("partition", "split")
 
@@ -45,8 +47,10 @@ def dynoff_compilation_config(
         passes = dict(config.get("inductor_passes") or {})
         passes["post_grad_custom_post_pass"] = PASS_PATH
         config.update(inductor_passes=passes, use_inductor_graph_partition=True)
-    else:
-        config["use_inductor_graph_partition"] = False
+    else:  # the marker only puts the pass's uuid into vLLM's compile-cache key
+        passes = dict(config.get("inductor_passes") or {})
+        passes["post_grad_custom_post_pass"] = MARKER_PATH
+        config.update(inductor_passes=passes, use_inductor_graph_partition=False)
     return config
 
 

@@ -193,4 +193,20 @@ def _normalize(path: str) -> str:
     return re.sub(r"\[['\"]?(\w+)['\"]?\]", r".\1", path)
 
 
+class SplitRouteMarker(InductorPass):
+    """Route ``split``: the layer pass already ran on Dynamo's graph, so this post-grad pass
+    does nothing; it is registered only so its ``uuid()`` (the layer pass's) enters vLLM's
+    compile-cache key, and a changed pass never reuses pieces compiled by an older one."""
+
+    def __init__(self, layer_pass: LayerPrefetchPass) -> None:
+        self.layer_pass = layer_pass
+
+    def uuid(self) -> str:
+        return self.layer_pass.uuid()
+
+    def __call__(self, graph: fx.Graph) -> None:
+        del graph
+
+
 LAYER_PREFETCH_PASS = LayerPrefetchPass()
+SPLIT_ROUTE_MARKER = SplitRouteMarker(LAYER_PREFETCH_PASS)

@@ -38,3 +38,14 @@ def test_a_config_without_the_pass_is_refused() -> None:
         check_compile_config(CompilationConfig(mode=3, use_inductor_graph_partition=True))
     with pytest.raises(ValueError, match="enforce-eager"):
         check_compile_config(CompilationConfig(mode=0))
+
+
+def test_split_route_carries_the_pass_uuid_into_the_cache_key() -> None:
+    from dynoff.compile_pass.config import MARKER_PATH
+    from dynoff.compile_pass.fx_pass import LAYER_PREFETCH_PASS, SplitRouteMarker
+
+    resolved = CompilationConfig(**dynoff_compilation_config(route="split"))
+    marker = resolved.inductor_compile_config["post_grad_custom_post_pass"]
+    assert isinstance(marker, SplitRouteMarker)
+    assert marker.uuid() == LAYER_PREFETCH_PASS.uuid()
+    assert resolved.inductor_passes["post_grad_custom_post_pass"] == MARKER_PATH

@@ -106,12 +106,12 @@ class Bench:
                 ),
                 additional_config={"dynamic_offload": offload},
             )
-            if args.profile_level is not None:
-                kwargs["profiler_config"] = {
-                    "profiler": "torch",
-                    "torch_profiler_dir": str(self.workdir / "profile"),
-                    "torch_profiler_with_stack": False,
-                }
+        if args.profile_level is not None:
+            kwargs["profiler_config"] = {
+                "profiler": "torch",
+                "torch_profiler_dir": str(self.workdir / "profile"),
+                "torch_profiler_with_stack": False,
+            }
         return LLM(**kwargs)
 
     def generate(self, batch: list[tuple[int, int]]) -> None:
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         levels[str(level)] = entry
         tqdm.write(json.dumps(entry))
     profile = None
-    if args.profile_level is not None and not args.cpu:
+    if args.profile_level is not None:
         profile = bench.profile(args.profile_level)
     bench.set_level(0)  # every k+1 -> k on the way down
     costs = resize_costs(read_trace(bench.trace))

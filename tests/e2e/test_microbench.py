@@ -1,9 +1,11 @@
 """The per-level microbenchmark and its plots, end to end on vLLM's CPU engine (a generated
 Llama): every level is reached through the level file, the KV capacity grows with the level,
-every transition up and down has a measured cost, and the three plots are written."""
+every transition up and down has a measured cost, the profiler trace shows the prefetches,
+and the three plots are written."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -20,6 +22,7 @@ def test_microbench_sweeps_levels_and_plots(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "bench.microbench", "--cpu", "--levels", "1", "2", "4"]
     cmd += ["--prompt-len", "256", "--decode-batch", "8", "--decode-tokens", "8"]
     cmd += ["--prefill-prompts", "2", "--mixed-prompts", "2", "--out", str(out)]
+    cmd += ["--profile-level", "2"]
     cmd += ["--workdir", str(tmp_path / "work")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -37,6 +40,11 @@ def test_microbench_sweeps_levels_and_plots(tmp_path: Path) -> None:
             cost = results["resize"][key]
             assert cost["remap_ms"] >= cost["driver_ms"] > 0 and cost["slots_changed"] > 0
     assert results["resize"]["1->0"]["copy_ms"] > 0  # lowering restores from pinned copies
+    # The torch.profiler trace at level 2 shows the ops and the engine's prefetch ranges.
+    trace = json.loads(gzip.decompress((tmp_path / results["profile_trace"]).read_bytes()))
+    names = {str(e.get("name", "")) for e in trace["traceEvents"]}
+    assert {"dynoff::wait_layer", "dynoff::prefetch_layer"} <= names
+    assert any(n.startswith("dynoff.prefetch.L") for n in names)
     plots = subprocess.run(
         [
             sys.executable,

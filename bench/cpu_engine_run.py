@@ -1,11 +1,13 @@
 """Run one vLLM CPU engine over a fixed workload and write its outputs as JSON (used by the
 end-to-end tests, one engine per process).
 
-    python -m bench.cpu_engine_run MODE MODEL OUT_JSON [--trace PATH]
+    python -m bench.cpu_engine_run MODE MODEL OUT_JSON [--trace PATH] [--tp N]
 
 MODE: ``reference`` (no offloading, the plugin's CPU linear path), ``forced`` (the plugin
 with a level schedule 0 -> 2 -> 1 -> 2 -> 0 while 6 requests decode), ``live`` (the plugin's
-policy under a burst of 24 requests, then a light tail).
+policy under a burst of 24 requests, then a light tail). ``--tp 2`` runs two tensor-parallel
+ranks (vLLM's CPU engine binds one core per rank: set ``VLLM_CPU_OMP_THREADS_BIND``, e.g.
+``0|1``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--trace", default=None)
+    parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args()
 
     from vllm import LLM
@@ -38,7 +41,10 @@ def main() -> None:
             offload["level_schedule"] = FORCED_LEVELS
         else:
             offload["policy"] = {"cooldown_steps": 4, "high_threshold": 0.8, "low_threshold": 0.3}
-    llm = LLM(**engine_kwargs(args.model, offload, kv_bytes=4 << 20))
+    kwargs = engine_kwargs(args.model, offload, kv_bytes=4 << 20)
+    if args.tp > 1:
+        kwargs["tensor_parallel_size"] = args.tp
+    llm = LLM(**kwargs)
     if args.mode == "live":
         outputs = generate(llm, prompts(24, 64), 64) + generate(llm, prompts(2, 16, 5), 160)
     else:

@@ -4,6 +4,8 @@ greedy sampling), one engine per subprocess.
 * Forced level schedule (0 -> 2 -> 1 -> 2 -> 0 while decoding): outputs token-identical to
   the same engine without offloading. The 6 requests fit level 0's KV capacity, so both
   engines schedule identical batches and any difference would come from the weights.
+* Tensor parallelism (2 ranks): the same forced schedule, token-identical to a TP = 2
+  engine without offloading.
 * Live policy under a burst then a light tail: every request completes, the level climbs
   and comes back down, and the KV capacity the scheduler sees follows it. (Batches then
   differ from a fixed-capacity engine, so CPU numerics may legitimately differ there.)
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,12 +33,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_checkpoint(tmp_path_factory.mktemp("model") / "small-llama"))
 
 
-def run_engine(mode: str, model: str, tmp: Path) -> dict:
-    out, trace = tmp / f"{mode}.json", tmp / f"{mode}.jsonl"
-    cmd = [sys.executable, "-m", "bench.cpu_engine_run", mode, model, str(out)]
+def run_engine(mode: str, model: str, tmp: Path, tp: int = 1) -> dict:
+    out, trace = tmp / f"{mode}-tp{tp}.json", tmp / f"{mode}-tp{tp}.jsonl"
+    cmd = [sys.executable, "-m", "bench.cpu_engine_run", mode, model, str(out), "--tp", str(tp)]
     if mode != "reference":
         cmd += ["--trace", str(trace)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    env = dict(os.environ)
+    if tp > 1:  # vLLM's CPU engine binds each rank's threads to its own core
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, sorted(os.sched_getaffinity(0))[:tp]))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -65,3 +71,17 @@ def test_live_policy_rises_under_a_burst_and_falls_after(model: str, tmp_path: P
     assert trace["level_changes"] >= 4
     capacity = trace["capacity_blocks_by_level"]
     assert len(set(capacity.values())) >= 3
+
+
+def test_tensor_parallel_ranks_change_levels_together(model: str, tmp_path: Path) -> None:
+    """TP = 2 on vLLM's CPU engine: both ranks get every command with the same step, apply it
+    to their own shards, and the scheduler completes a level change only once both ranks
+    answered; outputs are token-identical to the same TP = 2 engine without offloading."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.fail("this test needs 2 CPU cores (one per tensor-parallel rank)")
+    reference = run_engine("reference", model, tmp_path, tp=2)
+    forced = run_engine("forced", model, tmp_path, tp=2)
+    assert forced["outputs"] == reference["outputs"]
+    trace = forced["trace"]
+    assert trace["level_changes"] >= 4 and trace["resize_failures"] == 0
+    assert max(trace["levels_visited"]) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -9,6 +10,7 @@ import platform
 import shlex
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,17 @@ def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> Path
     payload = {"command": command_line(), "machine": machine_info(), **results}
     out.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     return out
+
+
+def model_or_generated(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.model`` as given, or with ``--cpu`` and no model a freshly generated small Llama."""
+    if args.model is not None:
+        return
+    if not args.cpu:
+        parser.error("--model is required on GPU")
+    from bench.tiny_checkpoint import make_checkpoint
+
+    args.model = str(make_checkpoint(Path(tempfile.mkdtemp()) / "small-llama"))
 
 
 def median(values: list[float]) -> float:

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_results
+from bench.common import model_or_generated, write_results
 
 CAPTURE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 WORKER = "dynoff.compile_pass.worker.DynamicOffloadWorker"
@@ -356,12 +356,7 @@ def main() -> None:
     parser.add_argument("--kv-bytes", type=int, default=16 << 20, help="CPU KV cache bytes")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
-    if args.model is None:
-        if not args.cpu:
-            parser.error("--model is required on GPU")
-        from bench.tiny_checkpoint import make_checkpoint
-
-        args.model = str(make_checkpoint(Path(tempfile.mkdtemp()) / "small-llama"))
+    model_or_generated(parser, args)
     results = run(args)
     write_results(args.out, results)
     print(json.dumps(results["summary"], indent=1))

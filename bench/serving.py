@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_results
+from bench.common import model_or_generated, write_results
 from bench.workloads import prompt_ids
 
 SYSTEMS = ("stock", "stock-piecewise", "dynamic", "static", "prefetch")
@@ -325,12 +325,7 @@ def main() -> None:
     parser.add_argument("--kv-bytes", type=int, default=4 << 20, help="CPU KV cache bytes")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    if args.model is None:
-        if not args.cpu:
-            parser.error("--model is required on GPU")
-        from bench.tiny_checkpoint import make_checkpoint
-
-        args.model = str(make_checkpoint(Path(tempfile.mkdtemp()) / "small-llama"))
+    model_or_generated(parser, args)
     results = asyncio.run(run(args))
     write_results(args.out, results)
     print(json.dumps({k: results[k] for k in ("system", "max_sustainable_rate", "startup_s")}))

@@ -42,15 +42,14 @@ def dynoff_compilation_config(
     config = dict(base or {})
     splitting = list(config.get("splitting_ops") or CompilationConfig._attention_ops)
     splitting += [op for op in OP_NAMES if op not in splitting]
-    config["splitting_ops"] = splitting
-    if route == "partition":
-        passes = dict(config.get("inductor_passes") or {})
-        passes["post_grad_custom_post_pass"] = PASS_PATH
-        config.update(inductor_passes=passes, use_inductor_graph_partition=True)
-    else:  # the marker only puts the pass's uuid into vLLM's compile-cache key
-        passes = dict(config.get("inductor_passes") or {})
-        passes["post_grad_custom_post_pass"] = MARKER_PATH
-        config.update(inductor_passes=passes, use_inductor_graph_partition=False)
+    passes = dict(config.get("inductor_passes") or {})
+    # route split: the marker only puts the pass's uuid into vLLM's compile-cache key
+    passes["post_grad_custom_post_pass"] = PASS_PATH if route == "partition" else MARKER_PATH
+    config.update(
+        splitting_ops=splitting,
+        inductor_passes=passes,
+        use_inductor_graph_partition=route == "partition",
+    )
     return config
 
 

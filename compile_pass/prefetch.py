@@ -41,7 +41,6 @@ class PrefetchEngine:
         self.on_cuda = device.type == "cuda"
         self.pending: set[int] = set()
         self.copies = 0
-        self.bytes_copied = 0
         if self.on_cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self._region_free = {layer: torch.cuda.Event() for layer in sources}
@@ -53,7 +52,6 @@ class PrefetchEngine:
     def prefetch(self, layer: int) -> None:
         src, dst = self.sources[layer], self.destinations[layer]
         self.copies += 1
-        self.bytes_copied += src.numel()
         if not self.on_cuda:
             with trace_range(f"dynoff.prefetch.L{layer}"):
                 dst.copy_(src)
@@ -96,7 +94,6 @@ class PrefetchEngine:
         if reset:
             self.timings.clear()
             self.copies = 0
-            self.bytes_copied = 0
         return stats
 
     def synchronize(self) -> None:

@@ -4,11 +4,23 @@ between replays. Captured once; the graphs bake in the weights' (fixed) VMM addr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dynoff.compile_pass.ops import PREFETCH, WAIT
 from dynoff.compile_pass.pairing import partner
 from tests.compile_pass.toy_model import ToyDecoder
+
+
+def warm_up(forward: Callable[[], None]) -> None:
+    """Two eager forwards on a side stream, outside capture (as torch.cuda.graph expects)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
 
 
 class PiecewiseRunner:
@@ -18,12 +30,7 @@ class PiecewiseRunner:
         self.num_layers = len(model.layers)
         self.h = [torch.empty_like(model.embed(x)) for _ in range(self.num_layers + 1)]
         self.graphs = [torch.cuda.CUDAGraph() for _ in range(self.num_layers + 1)]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside capture
-                self._eager()
-        torch.cuda.current_stream().wait_stream(stream)
+        warm_up(self._eager)
         with torch.cuda.graph(self.graphs[0]):
             self.h[0].copy_(model.embed(self.x))
         for layer in range(self.num_layers):
@@ -61,12 +68,7 @@ class FullGraphRunner:
         self.num_layers = len(model.layers)
         self.out = torch.empty_like(model.embed(x))
         self.graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside capture
-                self._forward()
-        torch.cuda.current_stream().wait_stream(stream)
+        warm_up(self._forward)
         torch.cuda.synchronize()
         self.engine.synchronize()  # type: ignore[attr-defined]
         with torch.cuda.graph(self.graph):

@@ -162,7 +162,9 @@ class Bench:
             for r in forwards
             if r["prefill_tokens"] == 0 and r["decode_tokens"] == args.decode_batch
         ]
-        prefill = [r["forward_ms"] for r in forwards if r["decode_tokens"] == 0]
+        prefill = [
+            r["forward_ms"] for r in forwards if r["decode_tokens"] == 0 and r["prefill_tokens"]
+        ]
         mixed_ms = [
             r["forward_ms"]
             for r in forwards
@@ -193,6 +195,44 @@ class Bench:
         self.llm.stop_profile()
         traces = sorted((self.workdir / "profile").rglob("*.json.gz"))
         return traces[-1] if traces else None
+
+
+def copy_overlap(trace_path: Path, min_us: float = 1000.0) -> dict[str, Any]:
+    """From a ``torch.profiler`` Chrome trace: the prefetch copies (H2D memcpys longer than
+    ``min_us``), the streams they and the kernels ran on, and the share of copy time during
+    which a kernel ran on another stream."""
+    import gzip
+
+    opener = gzip.open if trace_path.suffix == ".gz" else open
+    with opener(trace_path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    copies = [
+        e
+        for e in events
+        if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "") and e["dur"] > min_us
+    ]
+    kernel_events = [e for e in events if e.get("cat") == "kernel"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernel_events)
+    copy_us = overlap_us = 0.0
+    for copy in copies:
+        start, end = copy["ts"], copy["ts"] + copy["dur"]
+        copy_us += end - start
+        cursor = start
+        for k_start, k_end in kernels:  # sorted: sweep the kernels that meet the copy
+            if k_start >= end:
+                break
+            lo, hi = max(k_start, cursor), min(k_end, end)
+            if hi > lo:
+                overlap_us += hi - lo
+                cursor = hi
+    return {
+        "copies": len(copies),
+        "copy_streams": sorted({c["args"].get("stream") for c in copies}),
+        "kernel_streams": sorted({k["args"].get("stream") for k in kernel_events}),
+        "copy_ms": round(copy_us / 1e3, 2),
+        "copy_ms_with_kernels_running": round(overlap_us / 1e3, 2),
+    }
 
 
 def _median(values: list[float]) -> float | None:
@@ -263,6 +303,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         entry["h2d_peak_GBps"] = round(peak, 2)
         levels[str(level)] = entry
         tqdm.write(json.dumps(entry))
+        # a crash or a timeout later in the sweep keeps what is measured so far
+        write_results(args.out, {"model": args.model, "partial": True, "levels": levels})
     profile = None
     if args.profile_level is not None:
         profile = bench.profile(args.profile_level)
@@ -299,6 +341,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         target = Path(args.out).with_name(Path(args.out).stem + "_profile.json.gz")
         shutil.copy(profile, target)
         results["profile_trace"] = target.name
+        results["profile_overlap"] = copy_overlap(target)
     return results
 
 
@@ -344,7 +387,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--quantization", default=None)
-    parser.add_argument("--route", choices=["partition", "split"], default="partition")
+    parser.add_argument("--route", choices=["partition", "split"], default="split")
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prefill-prompts", type=int, default=8)

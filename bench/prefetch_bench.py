@@ -90,8 +90,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             placement.raise_level()
         rt.set_level(level)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # as capture does on entry: count only the graph's pool
         before = torch.cuda.memory_reserved()
         start = time.perf_counter()
+        engine.timing = False  # timing events are host-side state: not inside a graph
         graph = FullGraphRunner(model, x, engine)
         torch.cuda.synchronize()
         capture_s = time.perf_counter() - start

@@ -318,7 +318,7 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--static-level", type=int, default=4)
     parser.add_argument("--prefetch-group", type=int, default=8)
-    parser.add_argument("--route", choices=["partition", "split"], default="partition")
+    parser.add_argument("--route", choices=["partition", "split"], default="split")
     parser.add_argument("--policy", default=None, help="JSON of policy settings (plugin)")
     parser.add_argument("--stop-after-unsustainable", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="vLLM's CPU engine, generated model")

@@ -103,13 +103,14 @@ class OffloadController:
             shape = StepShape(max(shape.num_decode_tokens, 1), 0 if report.decode_only else 1)
         self._shape = shape
         self.estimator.observe(report.level, report.forward_ms, shape)
-        self.trace.forward(
-            step=report.step,
-            level=report.level,
-            forward_ms=round(report.forward_ms, 4),
-            decode_tokens=report.num_decode_tokens,
-            prefill_tokens=report.num_prefill_tokens,
-        )
+        if report.num_decode_tokens or report.num_prefill_tokens:  # else: no step timed yet
+            self.trace.forward(
+                step=report.step,
+                level=report.level,
+                forward_ms=round(report.forward_ms, 4),
+                decode_tokens=report.num_decode_tokens,
+                prefill_tokens=report.num_prefill_tokens,
+            )
         for outcome in report.outcomes:
             if self.inflight is None or outcome.command_id != self.inflight.command_id:
                 continue

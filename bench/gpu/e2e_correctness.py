@@ -161,9 +161,67 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
     return {"requests_differing": len(differing), "first_positions": positions[:20]}
 
 
+def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dict[str, Any]:
+    """Token identity between engines, the k = 0 ratios and the forced/live trace figures.
+    ``stock_2`` (a second stock engine, see ``--combine``) checks stock's own determinism."""
+    pairs = [("forced", "k0"), ("k0", "stock"), ("forced", "stock"), ("partition", "stock")]
+    pairs += [("k0", "partition"), ("stock_2", "stock"), ("k0", "stock_2")]
+    report: dict[str, Any] = {
+        "identity": {
+            f"{a}_vs_{b}": {
+                "identical": outputs[a] == outputs[b],
+                **first_divergence(outputs[a], outputs[b]),
+            }
+            for a, b in pairs
+            if a in outputs and b in outputs
+        }
+    }
+    if "stock" in outputs:
+        report["requests"] = len(outputs["stock"])
+        if "forced" in outputs:
+            report["token_identical"] = outputs["forced"] == outputs["stock"]
+    if "stock" in engines and "k0" in engines and "seconds" in engines["k0"]:
+        stock_s, k0_s = min(engines["stock"]["seconds"]), min(engines["k0"]["seconds"])
+        report["k0_throughput_ratio"] = round(stock_s / k0_s, 4)
+        report["stock_decode_ms"] = engines["stock"]["decode_ms"]
+        report["k0_decode_ms"] = engines["k0"]["decode_ms"]
+        report["k0_ratio"] = round(engines["stock"]["decode_ms"] / engines["k0"]["decode_ms"], 4)
+    for mode in ("forced", "live"):
+        if "trace" in engines.get(mode, {}):
+            trace = engines[mode]["trace"]
+            report["level_changes"] = trace["level_changes"]
+            report["max_level_reached"] = max(trace["levels_visited"])
+            report["levels_visited"] = trace["levels_visited"]
+            report["resize_failures"] = trace["resize_failures"]
+    return report
+
+
+def combine(paths: list[str]) -> dict[str, Any]:
+    """One report from the results of several calls (each ``X.json`` with its
+    ``X.outputs.json``), when the engines did not all run on one machine. A mode seen twice
+    is kept as ``<mode>_2``."""
+    engines: dict[str, Any] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    calls = []
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        found = json.loads(Path(path).with_suffix(".outputs.json").read_text())
+        calls.append({"command": result["command"], "machine": result["machine"]})
+        for mode, engine in result["engines"].items():
+            name = mode if mode not in engines else f"{mode}_2"
+            engines[name] = engine
+            if mode in found:
+                outputs[name] = found[mode]
+    combined = json.loads(Path(paths[0]).read_text())
+    for key in ("command", "machine", "identity", "requests", "token_identical"):
+        combined.pop(key, None)
+    combined.update(calls=calls, engines=engines, **compare(engines, outputs))
+    return combined
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", default=None)
     parser.add_argument("--out", required=True)
     parser.add_argument("--phase", choices=["identity", "live"], default="identity")
     parser.add_argument("--requests", type=int, default=256)
@@ -172,12 +230,18 @@ def main() -> None:
     parser.add_argument("--decode-batch", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--engines", nargs="+", default=None, help="subset of the phase's")
-    parser.add_argument("--route", choices=["partition", "split"], default="partition")
+    parser.add_argument("--route", choices=["partition", "split"], default="split")
     parser.add_argument("--workdir", default="/tmp/dynoff-e2e-correctness")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--live-memory-utilization", type=float, default=0.2)
     parser.add_argument("--engine", nargs=3, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--combine", nargs="+", default=None, help="result JSONs of several calls")
     args = parser.parse_args()
+    if args.combine:
+        write_results(args.out, combine(args.combine))
+        return
+    if args.model is None:
+        parser.error("--model is required")
     if args.engine:
         mode, out, trace = args.engine
         run_engine(mode, args.model, Path(out), Path(trace), args)
@@ -218,38 +282,9 @@ def main() -> None:
     for mode in modes:  # engines of earlier calls on this machine
         if mode not in results["engines"] and (work / f"{mode}.json").exists():
             results["engines"][mode] = json.loads((work / f"{mode}.json").read_text())
-    engines = results["engines"]
-    outputs = {m: e["outputs"] for m, e in engines.items() if "outputs" in e}
+    outputs = {m: e.pop("outputs") for m, e in results["engines"].items() if "outputs" in e}
     Path(args.out).with_suffix(".outputs.json").write_text(json.dumps(outputs))
-    pairs = [("forced", "k0"), ("k0", "stock"), ("forced", "stock"), ("partition", "stock")]
-    pairs += [("k0", "partition")]
-    results["identity"] = {
-        f"{a}_vs_{b}": {
-            "identical": outputs[a] == outputs[b],
-            **first_divergence(outputs[a], outputs[b]),
-        }
-        for a, b in pairs
-        if a in outputs and b in outputs
-    }
-    if "stock" in outputs:
-        results["requests"] = len(outputs["stock"])
-        if "forced" in outputs:
-            results["token_identical"] = outputs["forced"] == outputs["stock"]
-    if "stock" in engines and "k0" in engines and "seconds" in engines["k0"]:
-        stock_s, k0_s = min(engines["stock"]["seconds"]), min(engines["k0"]["seconds"])
-        results["k0_throughput_ratio"] = round(stock_s / k0_s, 4)
-        results["stock_decode_ms"] = engines["stock"]["decode_ms"]
-        results["k0_decode_ms"] = engines["k0"]["decode_ms"]
-        results["k0_ratio"] = round(engines["stock"]["decode_ms"] / engines["k0"]["decode_ms"], 4)
-    for mode in ("forced", "live"):
-        if "trace" in engines.get(mode, {}):
-            trace = engines[mode]["trace"]
-            results["level_changes"] = trace["level_changes"]
-            results["max_level_reached"] = max(trace["levels_visited"])
-            results["levels_visited"] = trace["levels_visited"]
-            results["resize_failures"] = trace["resize_failures"]
-    for engine in engines.values():
-        engine.pop("outputs", None)
+    results.update(compare(results["engines"], outputs))
     write_results(args.out, results)
     print(json.dumps({k: v for k, v in results.items() if k != "engines"}, indent=1))
 

@@ -84,7 +84,9 @@ class FullGraphRunner:
                 PREFETCH(h, other)
         self.out.copy_(h)
         copy_stream = getattr(self.engine, "copy_stream", None)
-        if copy_stream is not None:  # join the copies issued for the next step
+        # Join the copies issued for the next step. At k = 0 none were issued, and the copy
+        # stream is not part of the capture: an event recorded on it would break the capture.
+        if copy_stream is not None and self.engine.pending:  # type: ignore[attr-defined]
             torch.cuda.current_stream().wait_stream(copy_stream)
         self.engine.pending.clear()  # type: ignore[attr-defined]
 

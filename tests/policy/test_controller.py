@@ -135,3 +135,15 @@ def test_model_estimator_runs_in_the_controller(tmp_path) -> None:
     assert ctl.estimator.model.h2d_bytes_per_s == 55e9
     command = ctl.on_schedule_start(1, waiting=2, running=4)
     assert command is not None and command.target_level == 1  # tiny layers: cheap to offload
+
+
+def test_untimed_reports_leave_no_forward_in_the_trace(tmp_path) -> None:
+    """Under async scheduling a report can come before any forward has finished; it carries
+    no step (0 tokens, 0 ms) and must not read as a 0 ms step to the trace's readers."""
+    ctl, _ = controller(tmp_path)
+    ctl.on_report(StepReport(step=1, level=0, forward_ms=0.0, decode_only=True))
+    ctl.on_report(StepReport(2, 0, 12.5, False, num_decode_tokens=3, num_prefill_tokens=40))
+    ctl.trace.close()
+    lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    forwards = [r for r in lines if r["kind"] == "forward"]
+    assert [(r["step"], r["forward_ms"]) for r in forwards] == [(2, 12.5)]

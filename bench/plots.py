@@ -56,10 +56,12 @@ def plot_h2d(runs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    top = 1.0
     for name, data in runs:
         rows = [r for r in _levels(data) if r.get("h2d_GBps")]
         if not rows:
             continue
+        top = max([top, rows[0]["h2d_peak_GBps"], *(r["h2d_GBps"] for r in rows)])
         line = ax.plot(
             [r["offloaded_layers"] for r in rows], [r["h2d_GBps"] for r in rows], "o-", label=name
         )
@@ -72,10 +74,10 @@ def plot_h2d(runs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
         )
     ax.set_xlabel("offloaded layers (2k)")
     ax.set_ylabel("H2D throughput of prefetches (GB/s)")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.25 * top)  # room above the peak lines for the legend
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", ncol=2)
     else:  # CPU runs copy synchronously and time nothing
         ax.text(0.5, 0.5, "no timed transfers (CPU run)", ha="center", transform=ax.transAxes)
     ax.set_title("Prefetch transfer throughput vs offload depth")

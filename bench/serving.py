@@ -283,6 +283,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await engine.reset_prefix_cache()
             entry = await run_rate(engine, workload["requests"], rate, n + 1, args)
             results["rates"].append(entry)
+            # a crash or a device time limit later keeps the rates measured so far
+            write_results(args.out, {**results, "partial": True})
             tqdm.write(
                 json.dumps(
                     {

@@ -18,7 +18,8 @@ or in Python ``LLM(..., compilation_config=dynoff_compilation_config())``.
   partitioning alone (no pass, no plugin) costs 2.4% of stock throughput on the H200, so this
   route is kept for vLLM versions whose FX split the ``split`` route's hook no longer fits.
 
-Listing ``splitting_ops`` replaces vLLM's defaults, so those are repeated.
+Listing ``splitting_ops`` replaces vLLM's defaults, so those are repeated exactly
+(:func:`stock_splitting_ops`).
 """
 
 from __future__ import annotations
@@ -35,15 +36,33 @@ Route = Literal["partition", "split"]
 ROUTES = ("partition", "split")
 
 
+# With Inductor partitioning off, stock vLLM 0.26 also splits at the KV-cache update ops
+# (``CompilationConfig.set_splitting_ops_for_v1``, when ``splitting_ops`` is left unset).
+KV_CACHE_UPDATE_OPS = ("vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update")
+
+
+def stock_splitting_ops(route: Route) -> list[str]:
+    """The split points stock vLLM 0.26 chooses by itself for this route's partitioning mode.
+
+    Listing ``splitting_ops`` replaces vLLM's default instead of extending it, so the default
+    is repeated here exactly: a piece cut anywhere else compiles to other kernels, and greedy
+    outputs drift from stock vLLM's (seen on the H200: without the KV-cache update ops, 4 of
+    256 Qwen3-8B requests differed at k = 0)."""
+    from vllm.config import CompilationConfig
+
+    ops = list(CompilationConfig._attention_ops)
+    if route == "split":
+        ops += [op for op in KV_CACHE_UPDATE_OPS if op not in ops]
+    return ops
+
+
 def dynoff_compilation_config(
     base: dict[str, Any] | None = None, route: Route = "split"
 ) -> dict[str, Any]:
-    from vllm.config import CompilationConfig
-
     if route not in ROUTES:
         raise ValueError(f"route={route!r}: use one of {ROUTES}")
     config = dict(base or {})
-    splitting = list(config.get("splitting_ops") or CompilationConfig._attention_ops)
+    splitting = list(config.get("splitting_ops") or stock_splitting_ops(route))
     splitting += [op for op in OP_NAMES if op not in splitting]
     passes = dict(config.get("inductor_passes") or {})
     # route split: the marker only puts the pass's uuid into vLLM's compile-cache key

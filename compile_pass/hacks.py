@@ -82,6 +82,7 @@ def run_pass_before_fx_split(layer_pass: Callable[[Any], None]) -> None:
         return original(graph, splitting_ops)
 
     split_graph.dynoff_wrapped = True  # type: ignore[attr-defined]
+    split_graph.dynoff_original = original  # type: ignore[attr-defined]
     backends.split_graph = split_graph
 
 

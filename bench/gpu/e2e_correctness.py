@@ -5,7 +5,8 @@
 
 ``identity`` runs engines over the same requests (ShareGPT-like lengths, greedy, dummy
 weights): ``stock`` vLLM (its defaults, FULL_AND_PIECEWISE), ``partition`` (stock with the
-plugin's compilation config but no pass: isolates the compilation route), ``k0`` (the plugin
+partition route's Inductor partitioning but no pass), ``split`` (stock with the split route:
+the ops inserted and split at, but no plugin, so they do nothing), ``k0`` (the plugin
 held at k = 0, no trace) and ``forced`` (the plugin under a schedule 0 -> max -> 0 while the
 requests decode). Every engine sees the same first batch on a cold prefix cache; KV capacity
 is ample at every level, so all engines schedule the same batches. It reports token identity
@@ -71,9 +72,13 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
         return kwargs
     from dynoff.compile_pass.config import dynoff_compilation_config
 
-    if mode == "partition":  # the plugin's route (Inductor partition at our ops), no pass
-        config = dynoff_compilation_config({"cudagraph_capture_sizes": CAPTURE})
+    if mode == "partition":  # the partition route's Inductor partitioning, no pass
+        config = dynoff_compilation_config({"cudagraph_capture_sizes": CAPTURE}, "partition")
         config.pop("inductor_passes")
+        kwargs["compilation_config"] = config
+        return kwargs
+    if mode == "split":  # the split route: the ops inserted and split at, no-ops (no plugin)
+        config = dynoff_compilation_config({"cudagraph_capture_sizes": CAPTURE}, "split")
         kwargs["compilation_config"] = config
         return kwargs
 
@@ -166,6 +171,7 @@ def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dic
     ``stock_2`` (a second stock engine, see ``--combine``) checks stock's own determinism."""
     pairs = [("forced", "k0"), ("k0", "stock"), ("forced", "stock"), ("partition", "stock")]
     pairs += [("k0", "partition"), ("stock_2", "stock"), ("k0", "stock_2")]
+    pairs += [("split", "stock"), ("k0", "split")]
     report: dict[str, Any] = {
         "identity": {
             f"{a}_vs_{b}": {
@@ -252,7 +258,9 @@ def main() -> None:
     logs = Path(args.out).parent
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    modes = ["stock", "partition", "k0", "forced"] if args.phase == "identity" else ["live"]
+    modes = ["stock", "split", "partition", "k0", "forced"]
+    if args.phase == "live":
+        modes = ["live"]
     results: dict[str, Any] = {
         "phase": args.phase,
         "model": args.model,

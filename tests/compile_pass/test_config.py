@@ -56,3 +56,31 @@ def test_split_route_carries_the_pass_uuid_into_the_cache_key() -> None:
     assert isinstance(marker, SplitRouteMarker)
     assert marker.uuid() == LAYER_PREFETCH_PASS.uuid()
     assert resolved.inductor_passes["post_grad_custom_post_pass"] == MARKER_PATH
+
+
+@pytest.mark.parametrize("route", ["partition", "split"])
+def test_split_points_are_stocks_plus_ours(route: str) -> None:
+    """Stock vLLM's own split points, exactly, then ours: any other cut compiles other
+    kernels, and greedy outputs drift from stock's."""
+    from dynoff.compile_pass.config import KV_CACHE_UPDATE_OPS, stock_splitting_ops
+    from dynoff.compile_pass.ops import OP_NAMES
+
+    splitting = dynoff_compilation_config(route=route)["splitting_ops"]
+    assert splitting == stock_splitting_ops(route) + list(OP_NAMES)
+    kv_cache_ops = set(KV_CACHE_UPDATE_OPS) & set(splitting)
+    assert kv_cache_ops == (set(KV_CACHE_UPDATE_OPS) if route == "split" else set())
+
+
+def test_stock_default_split_points_match_vllm() -> None:
+    """What vLLM 0.26 itself sets when ``splitting_ops`` is unset: the attention ops, plus the
+    KV-cache update ops with Inductor partitioning off. Fails when vLLM's default changes."""
+    from vllm.config import CompilationConfig, CompilationMode
+
+    from dynoff.compile_pass.config import stock_splitting_ops
+
+    for partition, route in ((False, "split"), (True, "partition")):
+        stock = CompilationConfig(
+            mode=CompilationMode.VLLM_COMPILE, use_inductor_graph_partition=partition
+        )
+        stock.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+        assert stock.splitting_ops == stock_splitting_ops(route)

@@ -39,7 +39,9 @@ class SplitBackend:
 
 @pytest.fixture
 def wrapped(monkeypatch: pytest.MonkeyPatch) -> LayerPrefetchPass:
-    monkeypatch.setattr(backends, "split_graph", backends.split_graph)  # restored afterwards
+    # vLLM's own function (the plugin may have wrapped it in this process), restored afterwards
+    original = getattr(backends.split_graph, "dynoff_original", backends.split_graph)
+    monkeypatch.setattr(backends, "split_graph", original)
     layer_pass = LayerPrefetchPass()
     hacks.run_pass_before_fx_split(layer_pass)
     wrapper = backends.split_graph
@@ -105,5 +107,27 @@ def test_stock_splitting_is_left_alone(wrapped: LayerPrefetchPass) -> None:
         torch.compile(rig.model, backend=backend)(rig.x)
         assert not any(ops_in(i) for i in backend.items)
         assert wrapped.invocations == 0
+    finally:
+        rig.close()
+
+
+def test_the_vllm_plugin_installs_the_split_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM runs general plugins in every process before it compiles, so the ``split`` route
+    works with or without the plugin's worker (the ops are then inserted and do nothing)."""
+    from dynoff.compile_pass import plugin
+    from dynoff.compile_pass.fx_pass import LAYER_PREFETCH_PASS
+
+    original = getattr(backends.split_graph, "dynoff_original", backends.split_graph)
+    monkeypatch.setattr(backends, "split_graph", original)
+    plugin.register()
+    assert getattr(backends.split_graph, "dynoff_wrapped", False)
+    assert backends.split_graph.dynoff_original is original
+    before = LAYER_PREFETCH_PASS.invocations
+    rig = Offloaded()
+    try:
+        torch._dynamo.reset()
+        backend = SplitBackend([ATTENTION])  # stock splitting: the pass stays out of it
+        torch.compile(rig.model, backend=backend)(rig.x)
+        assert LAYER_PREFETCH_PASS.invocations == before
     finally:
         rig.close()

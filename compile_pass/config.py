@@ -45,9 +45,9 @@ def stock_splitting_ops(route: Route) -> list[str]:
     """The split points stock vLLM 0.26 chooses by itself for this route's partitioning mode.
 
     Listing ``splitting_ops`` replaces vLLM's default instead of extending it, so the default
-    is repeated here exactly: a piece cut anywhere else compiles to other kernels, and greedy
-    outputs drift from stock vLLM's (seen on the H200: without the KV-cache update ops, 4 of
-    256 Qwen3-8B requests differed at k = 0)."""
+    is repeated here exactly, and the pieces between split points are stock's own pieces cut
+    only at our ops. (On the H200 the KV-cache update split points changed no output token
+    of Qwen3-8B at k = 0; they are stock's pieces, and they keep the KV write out of them.)"""
     from vllm.config import CompilationConfig
 
     ops = list(CompilationConfig._attention_ops)

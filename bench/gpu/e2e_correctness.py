@@ -168,10 +168,13 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
 
 def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dict[str, Any]:
     """Token identity between engines, the k = 0 ratios and the forced/live trace figures.
-    ``stock_2`` (a second stock engine, see ``--combine``) checks stock's own determinism."""
+    ``stock_2`` (a second stock engine, see ``--combine``) checks stock's own determinism;
+    any other ``<mode>_2`` is compared with its first run and with stock."""
     pairs = [("forced", "k0"), ("k0", "stock"), ("forced", "stock"), ("partition", "stock")]
     pairs += [("k0", "partition"), ("stock_2", "stock"), ("k0", "stock_2")]
     pairs += [("split", "stock"), ("k0", "split")]
+    for second in [m for m in outputs if m.endswith("_2") and m != "stock_2"]:  # --combine
+        pairs += [(second, second[:-2]), (second, "stock")]
     report: dict[str, Any] = {
         "identity": {
             f"{a}_vs_{b}": {

@@ -60,8 +60,8 @@ def test_split_route_carries_the_pass_uuid_into_the_cache_key() -> None:
 
 @pytest.mark.parametrize("route", ["partition", "split"])
 def test_split_points_are_stocks_plus_ours(route: str) -> None:
-    """Stock vLLM's own split points, exactly, then ours: any other cut compiles other
-    kernels, and greedy outputs drift from stock's."""
+    """Stock vLLM's own split points, exactly, then ours: the pieces are stock's pieces, cut
+    only at our ops."""
     from dynoff.compile_pass.config import KV_CACHE_UPDATE_OPS, stock_splitting_ops
     from dynoff.compile_pass.ops import OP_NAMES
 

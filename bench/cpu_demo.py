@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.tiny_checkpoint import make_checkpoint
+from dynoff.compile_pass.config import dynoff_compilation_config
 from dynoff.policy.trace import summarize_trace
 
 WORKER = "dynoff.compile_pass.cpu_worker.CPUDynamicOffloadWorker"
 REFERENCE_WORKER = "dynoff.compile_pass.cpu_worker.CPUReferenceWorker"
 SCHEDULER = "dynoff.policy.scheduler.DynamicOffloadScheduler"
-PASS = {"inductor_passes": {"post_grad_custom_post_pass": "dynoff.LAYER_PREFETCH_PASS"}}
 
 
 def engine_kwargs(model: str, offload: dict[str, Any] | None, kv_bytes: int) -> dict[str, Any]:
@@ -39,7 +39,7 @@ def engine_kwargs(model: str, offload: dict[str, Any] | None, kv_bytes: int) -> 
         kwargs.update(
             worker_cls=WORKER,
             scheduler_cls=SCHEDULER,
-            compilation_config=PASS,
+            compilation_config=dynoff_compilation_config(route="inductor"),
             additional_config={"dynamic_offload": offload},
         )
     return kwargs

@@ -1,4 +1,4 @@
-"""The ``compilation_config`` that turns the pass on in vLLM, for either compilation route.
+"""The ``compilation_config`` that turns the pass on in vLLM, for each compilation route.
 
     vllm serve MODEL -cc "$(python -m dynoff.compile_pass.config)"                   # split
     vllm serve MODEL -cc "$(python -m dynoff.compile_pass.config --route partition)"
@@ -18,6 +18,9 @@ or in Python ``LLM(..., compilation_config=dynoff_compilation_config())``.
   partitioning alone (no pass, no plugin) costs 2.4% of stock throughput on the H200, so this
   route is kept for vLLM versions whose FX split the ``split`` route's hook no longer fits.
 
+* ``inductor`` (the default on vLLM's CPU engine, which compiles one Inductor graph without
+  vLLM's backend and FX split): the pass is Inductor's post-grad custom pass, no split points.
+
 Listing ``splitting_ops`` replaces vLLM's defaults, so those are repeated exactly
 (:func:`stock_splitting_ops`).
 """
@@ -32,8 +35,15 @@ from dynoff.compile_pass.ops import OP_NAMES
 
 PASS_PATH = "dynoff.LAYER_PREFETCH_PASS"
 MARKER_PATH = "dynoff.SPLIT_ROUTE_MARKER"
-Route = Literal["partition", "split"]
-ROUTES = ("partition", "split")
+Route = Literal["split", "partition", "inductor"]
+ROUTES = ("split", "partition", "inductor")
+
+
+def default_route() -> Route:
+    """``inductor`` on vLLM's CPU engine, ``split`` everywhere else."""
+    from vllm.platforms import current_platform
+
+    return "inductor" if current_platform.is_cpu() else "split"
 
 
 # With Inductor partitioning off, stock vLLM 0.26 also splits at the KV-cache update ops
@@ -57,11 +67,19 @@ def stock_splitting_ops(route: Route) -> list[str]:
 
 
 def dynoff_compilation_config(
-    base: dict[str, Any] | None = None, route: Route = "split"
+    base: dict[str, Any] | None = None, route: Route | None = None
 ) -> dict[str, Any]:
+    """``base`` (a ``compilation_config`` dict) with the plugin's route added; ``route``
+    defaults to :func:`default_route` for the platform vLLM runs on."""
+    route = route or default_route()
     if route not in ROUTES:
         raise ValueError(f"route={route!r}: use one of {ROUTES}")
     config = dict(base or {})
+    if route == "inductor":  # one Inductor graph: the pass post-grad, no split points
+        passes = dict(config.get("inductor_passes") or {})
+        passes["post_grad_custom_post_pass"] = PASS_PATH
+        config["inductor_passes"] = passes
+        return config
     splitting = list(config.get("splitting_ops") or stock_splitting_ops(route))
     splitting += [op for op in OP_NAMES if op not in splitting]
     passes = dict(config.get("inductor_passes") or {})
@@ -76,25 +94,31 @@ def dynoff_compilation_config(
 
 
 def compile_route(compilation_config: Any) -> Route | None:
-    """The route a vLLM ``CompilationConfig`` sets up, or None when the ops would never be
-    inserted (offloading would then run layers on another layer's weights)."""
-    splitting = set(compilation_config.splitting_ops or ())
+    """The route a vLLM ``CompilationConfig`` (as the worker sees it, after the platform has
+    adjusted it) sets up, or None when the ops would never be inserted in the whole graph
+    (offloaded layers would then run on another layer's weights)."""
+    from vllm.config import CompilationMode
+
     from dynoff.compile_pass.fx_pass import LAYER_PREFETCH_PASS
 
+    splitting = set(compilation_config.splitting_ops or ())
     key = "post_grad_custom_post_pass"
     named = (compilation_config.inductor_passes or {}).get(key)
     resolved = (compilation_config.inductor_compile_config or {}).get(key)
     has_pass = named == PASS_PATH or resolved is LAYER_PREFETCH_PASS
+    if compilation_config.mode != CompilationMode.VLLM_COMPILE:
+        # No vLLM backend, so no FX split (vLLM's CPU engine compiles one Inductor graph):
+        # only the post-grad pass sees the whole graph.
+        return "inductor" if has_pass else None
     if compilation_config.use_inductor_graph_partition:
         return "partition" if has_pass and set(OP_NAMES) <= splitting else None
-    if set(OP_NAMES) <= splitting:
-        return "split"
-    return "partition" if has_pass else None  # CPU: one Inductor graph, no split points
+    # vLLM's backend splits the graph; the post-grad pass alone would see only pieces.
+    return "split" if set(OP_NAMES) <= splitting else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Print the plugin's compilation_config JSON.")
-    parser.add_argument("--route", choices=ROUTES, default="split")
+    parser.add_argument("--route", choices=ROUTES, default=None, help="default: per platform")
     print(json.dumps(dynoff_compilation_config(route=parser.parse_args().route)))
 
 

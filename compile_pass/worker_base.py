@@ -94,10 +94,11 @@ def check_compile_config(compilation_config: Any) -> Route:
     route = compile_route(compilation_config)
     if route is None:
         raise ValueError(
-            "dynamic offload needs its layer pass in the compilation config, or offloaded "
-            "layers would run on another layer's weights: pass "
-            '-cc "$(python -m dynoff.compile_pass.config)" (Python: '
-            "compilation_config=dynoff_compilation_config())"
+            "dynamic offload needs its layer pass in the compilation config, in the form this "
+            f"compilation mode ({compilation_config.mode.name}) runs, or offloaded layers "
+            "would run on another layer's weights: pass -cc \"$(python -m "
+            'dynoff.compile_pass.config)" (Python: compilation_config='
+            "dynoff_compilation_config()), which picks the route for the platform"
         )
     return route
 

@@ -18,8 +18,17 @@ def test_config_keeps_attention_split_points_and_adds_ours(route: str) -> None:
     assert {"dynoff::wait_layer", "dynoff::prefetch_layer"} <= set(config["splitting_ops"])
 
 
-def test_default_route_is_split() -> None:
-    """Measured on the H200: split keeps stock speed at k = 0 (0.996x), partition does not."""
+def test_default_route_follows_the_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU: split (measured on the H200: stock speed at k = 0, 0.996x; partition 0.976x).
+    vLLM's CPU engine (this machine) compiles one Inductor graph: the post-grad pass."""
+    from vllm.platforms import current_platform
+
+    from dynoff.compile_pass.config import default_route
+
+    assert current_platform.is_cpu() and default_route() == "inductor"
+    assert dynoff_compilation_config() == dynoff_compilation_config(route="inductor")
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False)
+    assert default_route() == "split"
     default = CompilationConfig(**dynoff_compilation_config(), mode=3)
     assert check_compile_config(default) == "split"
 
@@ -45,6 +54,24 @@ def test_a_config_without_the_pass_is_refused() -> None:
         check_compile_config(CompilationConfig(mode=3, use_inductor_graph_partition=True))
     with pytest.raises(ValueError, match="enforce-eager"):
         check_compile_config(CompilationConfig(mode=0))
+
+
+def test_each_route_only_where_it_sees_the_whole_graph() -> None:
+    """vLLM's CPU engine compiles without vLLM's backend (mode DYNAMO_TRACE_ONCE, no FX
+    split): there the split route's hook never runs, so only the post-grad pass counts. Under
+    vLLM's backend without Inductor partitioning the post-grad pass sees only pieces."""
+    from vllm.config import CompilationMode
+
+    once = CompilationMode.DYNAMO_TRACE_ONCE
+    inductor = CompilationConfig(**dynoff_compilation_config(route="inductor"), mode=once)
+    assert check_compile_config(inductor) == "inductor"
+    split_on_cpu = CompilationConfig(**dynoff_compilation_config(route="split"), mode=once)
+    inductor_on_gpu = CompilationConfig(
+        **dynoff_compilation_config(route="inductor"), mode=CompilationMode.VLLM_COMPILE
+    )
+    for config in (split_on_cpu, inductor_on_gpu):
+        with pytest.raises(ValueError, match="needs its layer pass"):
+            check_compile_config(config)
 
 
 def test_split_route_carries_the_pass_uuid_into_the_cache_key() -> None:

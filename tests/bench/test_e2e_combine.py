@@ -1,0 +1,51 @@
+"""``bench.gpu.e2e_correctness --combine``: one report from engines that ran in several device
+calls; a mode seen twice is kept as ``<mode>_2`` and compared with its first run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.gpu.e2e_correctness import combine
+
+
+def call(tmp_path: Path, name: str, engines: dict, outputs: dict) -> str:
+    path = tmp_path / f"{name}.json"
+    result = {"command": f"run {name}", "machine": {"gpu": "H200"}, "route": "split"}
+    path.write_text(json.dumps(result | {"engines": engines}))
+    path.with_suffix(".outputs.json").write_text(json.dumps(outputs))
+    return str(path)
+
+
+def test_combine_names_repeats_and_compares_them(tmp_path: Path) -> None:
+    same, other = [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]
+    first = call(
+        tmp_path,
+        "a",
+        {
+            "stock": {"seconds": [4.0, 4.2], "decode_ms": 6.0},
+            "k0": {"seconds": [4.1], "decode_ms": 6.2},
+        },
+        {"stock": same, "k0": other},
+    )
+    trace = {"level_changes": 4, "levels_visited": [0, 1, 2, 1, 0], "resize_failures": 0}
+    second = call(
+        tmp_path,
+        "b",
+        {"stock": {}, "forced": {"trace": trace}},
+        {"stock": same, "forced": other},
+    )
+    report = combine([first, second])
+    assert [c["command"] for c in report["calls"]] == ["run a", "run b"]
+    assert set(report["engines"]) == {"stock", "k0", "stock_2", "forced"}
+    identity = report["identity"]
+    assert identity["stock_2_vs_stock"]["identical"] is True
+    assert identity["forced_vs_k0"]["identical"] is True
+    assert identity["k0_vs_stock"] == {
+        "identical": False,
+        "requests_differing": 1,
+        "first_positions": [1],
+    }
+    assert report["token_identical"] is False and report["requests"] == 2
+    assert report["k0_throughput_ratio"] == round(4.0 / 4.1, 4)
+    assert report["max_level_reached"] == 2 and report["level_changes"] == 4

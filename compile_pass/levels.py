@@ -8,8 +8,8 @@ outcome in rank 0's report and keeps the old level too.
 
 raise k -> k+1: alias layer k+N/2 onto layer k's pages, map the freed pages into the tier's
 KV groups. lower k+1 -> k: (device idle) unmap the groups, give layer k+N/2 its pages back
-and restore both layers from pinned memory. Each step is a VMM transaction; a failure in
-the second step undoes the first.
+and restore it from pinned memory (the shared region already holds layer k). Each step is
+a VMM transaction; a failure in the second step undoes the first.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ class WeightPlacement:
         """k -> k-1. Takes pages from the pool; returns them (now private to layer j)."""
         if self.level == 0:
             raise ValueError("already at level 0")
-        i, j = self.level - 1, self.level - 1 + half(self.num_layers)
+        j = self.level - 1 + half(self.num_layers)  # its partner i = level - 1 keeps the region
         n = self.pages_per_layer
         pages = self.arena.allocate_pages(n)
         dst = self.packs[j]
@@ -145,13 +145,14 @@ class WeightPlacement:
         except Exception:
             self.arena.free_pages(pages)
             raise
+        # Only j needs its weights: the shared region holds i, because a step at this level
+        # ends with prefetch(i) and a raise copies nothing, and the device is idle here (the
+        # level change waited for the queued work).
         start = time.perf_counter()
-        for layer in (j, i):
-            pack = self.packs[layer]
-            assert pack.cpu is not None
-            pack.flat.copy_(pack.cpu)
-        if pack.flat.is_cuda:
-            torch.cuda.synchronize(pack.flat.device)
+        assert dst.cpu is not None
+        dst.flat.copy_(dst.cpu)
+        if dst.flat.is_cuda:
+            torch.cuda.synchronize(dst.flat.device)
         self.last_copy_ms = (time.perf_counter() - start) * 1e3
         dst.pages = pages
         self.level -= 1

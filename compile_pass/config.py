@@ -5,8 +5,8 @@
 
 or in Python ``LLM(..., compilation_config=dynoff_compilation_config())``.
 
-* ``split`` (default): Inductor partitioning stays off, as in stock vLLM; the ops are listed
-  as split points and the pass runs on Dynamo's graph just before vLLM's FX split
+* ``split`` (the default on GPU): Inductor partitioning stays off, as in stock vLLM; the ops
+  are listed as split points and the pass runs on Dynamo's graph just before vLLM's FX split
   (:func:`dynoff.compile_pass.hacks.run_pass_before_fx_split`), so the pieces between split
   points are compiled exactly as stock vLLM compiles its pieces. A no-op post-grad pass
   (``dynoff.SPLIT_ROUTE_MARKER``) carries the pass's ``uuid()`` into vLLM's cache key.
@@ -17,7 +17,6 @@ or in Python ``LLM(..., compilation_config=dynoff_compilation_config())``.
   ops), and the ops are listed as split points next to vLLM's attention ops. Inductor
   partitioning alone (no pass, no plugin) costs 2.4% of stock throughput on the H200, so this
   route is kept for vLLM versions whose FX split the ``split`` route's hook no longer fits.
-
 * ``inductor`` (the default on vLLM's CPU engine, which compiles one Inductor graph without
   vLLM's backend and FX split): the pass is Inductor's post-grad custom pass, no split points.
 

@@ -159,6 +159,8 @@ class DynamicOffloadMixin:
             check_gpu_config(vllm_config)
         route = check_compile_config(vllm_config.compilation_config)
         if route == "split":
+            # The plugin entry point installs it too, but VLLM_PLUGINS can leave general
+            # plugins out; without the hook the ops would never be inserted.
             hacks.run_pass_before_fx_split(LAYER_PREFETCH_PASS)
         logger.info("dynamic offload: compilation route %r", route)
         extra = vllm_config.additional_config

@@ -72,13 +72,11 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
         return kwargs
     from dynoff.compile_pass.config import dynoff_compilation_config
 
-    if mode == "partition":  # the partition route's Inductor partitioning, no pass
-        config = dynoff_compilation_config({"cudagraph_capture_sizes": CAPTURE}, "partition")
-        config.pop("inductor_passes")
-        kwargs["compilation_config"] = config
-        return kwargs
-    if mode == "split":  # the split route: the ops inserted and split at, no-ops (no plugin)
-        config = dynoff_compilation_config({"cudagraph_capture_sizes": CAPTURE}, "split")
+    if mode in ("partition", "split"):  # the route's compilation alone, no plugin
+        config = dynoff_compilation_config({"cudagraph_capture_sizes": CAPTURE}, mode)
+        if mode == "partition":  # Inductor partitioning only: no pass, no ops
+            config.pop("inductor_passes")
+        # split: the ops are inserted and split at, and do nothing without the plugin
         kwargs["compilation_config"] = config
         return kwargs
 
@@ -261,9 +259,8 @@ def main() -> None:
     logs = Path(args.out).parent
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    modes = ["stock", "split", "partition", "k0", "forced"]
-    if args.phase == "live":
-        modes = ["live"]
+    identity_modes = ["stock", "split", "partition", "k0", "forced"]
+    modes = identity_modes if args.phase == "identity" else ["live"]
     results: dict[str, Any] = {
         "phase": args.phase,
         "model": args.model,

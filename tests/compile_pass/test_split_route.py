@@ -37,11 +37,14 @@ class SplitBackend:
         return split_gm
 
 
+def vllm_split_graph():
+    """vLLM's own function, even when the plugin has already wrapped it in this process."""
+    return getattr(backends.split_graph, "dynoff_original", backends.split_graph)
+
+
 @pytest.fixture
 def wrapped(monkeypatch: pytest.MonkeyPatch) -> LayerPrefetchPass:
-    # vLLM's own function (the plugin may have wrapped it in this process), restored afterwards
-    original = getattr(backends.split_graph, "dynoff_original", backends.split_graph)
-    monkeypatch.setattr(backends, "split_graph", original)
+    monkeypatch.setattr(backends, "split_graph", vllm_split_graph())  # restored afterwards
     layer_pass = LayerPrefetchPass()
     hacks.run_pass_before_fx_split(layer_pass)
     wrapper = backends.split_graph
@@ -117,7 +120,7 @@ def test_the_vllm_plugin_installs_the_split_hook(monkeypatch: pytest.MonkeyPatch
     from dynoff.compile_pass import plugin
     from dynoff.compile_pass.fx_pass import LAYER_PREFETCH_PASS
 
-    original = getattr(backends.split_graph, "dynoff_original", backends.split_graph)
+    original = vllm_split_graph()
     monkeypatch.setattr(backends, "split_graph", original)
     plugin.register()
     assert getattr(backends.split_graph, "dynoff_wrapped", False)

@@ -29,6 +29,18 @@ Before / after (one layer, schematically)::
     %down = mm(%act, %w_down)
     prefetch_layer(%down, 3 + N/2)              <- inserted: readers of %down follow it
 
+Route ``split`` passes vLLM's own split points (``split_points``: its attention and KV-cache
+update ops). The ops then move to those points, so every piece vLLM compiles is exactly one
+of stock vLLM's pieces, with the same inputs and outputs: Inductor fuses and tunes them as
+in stock vLLM, and a step at k = 0 computes the same bits. ``wait_layer(L)`` goes right
+after the last split point before layer L (the attention of layer L-1), or to the top of
+the graph when none precedes it (layer 0); ``prefetch_layer(P)`` goes right before the
+first split point after the last weight use (the next layer's KV-cache update), or to the
+end of the graph. Their tensor arguments are taken from what already crosses that point.
+A wait moves earlier and a prefetch later, so the region is never overwritten before its
+occupant's last use; the pass checks that the second layer of each pair is still copied in
+before the step waits for it (and otherwise keeps the boundaries, with a warning).
+
 Invariants kept (Inductor's fx_passes rules): ``meta["val"]`` of existing nodes is untouched
 and new nodes return nothing; no new aliasing between inputs and outputs; the only
 mutations are the ones the ops' schemas declare, on intermediate values, never on graph
@@ -42,6 +54,8 @@ from __future__ import annotations
 import logging
 import re
 from collections import defaultdict
+from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 from torch import fx
@@ -63,10 +77,12 @@ class LayerPrefetchPass(InductorPass):
 
     def uuid(self) -> str:
         return InductorPass.hash_source(self) + InductorPass.hash_dict(
-            {"layer_pattern": self.layer_pattern, "version": 2}
+            {"layer_pattern": self.layer_pattern, "version": 3}
         )
 
-    def __call__(self, graph: fx.Graph) -> None:
+    def __call__(self, graph: fx.Graph, split_points: Collection[str] = ()) -> None:
+        """Insert the ops; ``split_points``: the other ops vLLM splits the graph at (route
+        ``split``), which the ops then move to (see the module docstring)."""
         self.invocations += 1
         if any(node.target in (WAIT, PREFETCH) for node in graph.nodes):
             return  # already transformed
@@ -82,17 +98,48 @@ class LayerPrefetchPass(InductorPass):
             )
             return
         owned = self._weights_by_layer(graph, by_layer)
-        for layer in range(num_layers):
-            self._insert_wait(graph, layer, by_layer[layer])
-            other = partner(layer, num_layers)
-            if other is not None:
-                self._insert_prefetch(graph, other, by_layer[layer], owned[layer])
+        waits = {layer: self._wait_site(graph, layer, by_layer[layer]) for layer in by_layer}
+        issuer = {
+            other: layer
+            for layer in range(num_layers)
+            if (other := partner(layer, num_layers)) is not None
+        }
+        prefetches = {
+            other: self._prefetch_site(by_layer[layer], owned[layer])
+            for other, layer in issuer.items()
+        }
+        aligned = False
+        if split_points:
+            order = {node: n for n, node in enumerate(graph.nodes)}
+            splits = [node for node in graph.nodes if _splits(node, split_points)]
+            moved_waits = {k: _after_split(site, splits, order) for k, site in waits.items()}
+            moved = {k: _before_split(site, splits, order, graph) for k, site in prefetches.items()}
+            # A layer copied in by an earlier layer of the same step (the second of a pair)
+            # must still be issued before the step waits for it. (The first of a pair is
+            # copied in at the end of the step before.)
+            if all(
+                _position(moved[k], order) < _position(moved_waits[k], order)
+                for k, layer in issuer.items()
+                if k > layer
+            ):
+                waits, prefetches, aligned = moved_waits, moved, True
+            else:
+                logger.warning(
+                    "dynamic offload: a prefetch would follow its wait at vLLM's split points "
+                    "(%d layers); the ops stay at the layer boundaries",
+                    num_layers,
+                )
+        for layer, (where, before, x) in waits.items():
+            _insert(graph, WAIT, where, before, x, layer)
+        for other, (where, before, y) in prefetches.items():
+            _insert(graph, PREFETCH, where, before, y, other)
         graph.lint()
         logger.info(
-            "dynamic offload: inserted %d wait_layer and %d prefetch_layer ops (%d layers)",
+            "dynamic offload: inserted %d wait_layer and %d prefetch_layer ops (%d layers%s)",
+            len(waits),
+            len(prefetches),
             num_layers,
-            sum(partner(layer, num_layers) is not None for layer in range(num_layers)),
-            num_layers,
+            ", at vLLM's split points" if aligned else "",
         )
 
     # -- analysis -----------------------------------------------------------------------------
@@ -130,8 +177,10 @@ class LayerPrefetchPass(InductorPass):
                 owned[layer].add(node)
         return owned
 
-    # -- rewriting ----------------------------------------------------------------------------
-    def _insert_wait(self, graph: fx.Graph, layer: int, nodes: list[fx.Node]) -> None:
+    # -- where the ops go: (node, insert before it?, tensor argument) -----------------------
+    @staticmethod
+    def _wait_site(graph: fx.Graph, layer: int, nodes: list[fx.Node]) -> Site:
+        """Before the layer's first node, on the residual stream entering it."""
         inside = set(nodes)
         first = nodes[0]
         x = next(
@@ -146,12 +195,11 @@ class LayerPrefetchPass(InductorPass):
             x = next((a for a in first.all_input_nodes if _is_tensor(a)), None)
         if x is None:
             raise RuntimeError(f"layer {layer}: no tensor input to order the wait on")
-        with graph.inserting_before(first):
-            graph.call_function(WAIT, (x, layer))
+        return first, True, x
 
-    def _insert_prefetch(
-        self, graph: fx.Graph, other: int, nodes: list[fx.Node], weights: set[fx.Node]
-    ) -> None:
+    @staticmethod
+    def _prefetch_site(nodes: list[fx.Node], weights: set[fx.Node]) -> Site:
+        """Right after the layer's last weight use, on that node's output."""
         # Views of a weight (permute, reshape, ...) read nothing: follow them to the kernels
         # that do, or the copy could overwrite the region before its last reader runs.
         derived = set(weights)
@@ -163,8 +211,61 @@ class LayerPrefetchPass(InductorPass):
         anchor = last if _is_tensor(last) else next((u for u in last.users if _is_tensor(u)), None)
         if anchor is None:
             anchor = next(n for n in reversed(nodes) if _is_tensor(n))
-        with graph.inserting_after(anchor):
-            graph.call_function(PREFETCH, (anchor, other))
+        return anchor, False, anchor
+
+
+Site = tuple[fx.Node, bool, fx.Node]
+"""Where an op goes: (node, insert before it rather than after, the op's tensor argument)."""
+
+
+def _insert(
+    graph: fx.Graph, op: Callable[..., Any], where: fx.Node, before: bool, x: fx.Node, layer: int
+) -> None:
+    with graph.inserting_before(where) if before else graph.inserting_after(where):
+        graph.call_function(op, (x, layer))
+
+
+def _splits(node: fx.Node, split_points: Collection[str]) -> bool:
+    from vllm.compilation.partition_rules import should_split
+
+    return node.target not in (WAIT, PREFETCH) and should_split(node, list(split_points))
+
+
+def _position(site: Site, order: dict[fx.Node, int]) -> float:
+    node, before, _ = site
+    return order[node] - 0.5 if before else order[node] + 0.5
+
+
+def _after_split(site: Site, splits: list[fx.Node], order: dict[fx.Node, int]) -> Site:
+    """Move a wait up to right after the last split point before it, or to the top."""
+    position = _position(site, order)
+    earlier = [s for s in splits if order[s] < position]
+    if earlier:
+        split = earlier[-1]
+        return split, False, _tensor_input(split) or site[2]
+    first = next(n for n in order if n.op != "placeholder")
+    x = next((n for n in order if n.op == "placeholder" and _is_tensor(n)), None)
+    return (first, True, x) if x is not None else site
+
+
+def _before_split(
+    site: Site, splits: list[fx.Node], order: dict[fx.Node, int], graph: fx.Graph
+) -> Site:
+    """Move a prefetch down to right before the next split point, or to the end."""
+    position = _position(site, order)
+    later = [s for s in splits if order[s] > position]
+    if later:
+        split = later[0]
+        return split, True, _tensor_input(split) or site[2]
+    output = graph.output_node()
+    y = next((a for a in output.all_input_nodes if _is_tensor(a)), site[2])
+    return output, True, y
+
+
+def _tensor_input(node: fx.Node) -> fx.Node | None:
+    """A tensor the split point reads: it crosses that point already, so the op taking it
+    changes no compiled piece's inputs or outputs."""
+    return next((a for a in node.all_input_nodes if _is_tensor(a)), None)
 
 
 # Views at the Dynamo level (route ``split``): tensor methods and torch functions.

@@ -19,8 +19,9 @@ Written against vLLM 0.26.0; ``tests/compile_pass/test_hacks.py`` fails if any c
 4. ``vllm.compilation.backends.split_graph(graph, splitting_ops)``, which ``VllmBackend``
    calls by name on Dynamo's graph when Inductor graph partition is off. For the ``split``
    compilation route (:func:`dynoff.compile_pass.config.dynoff_compilation_config`) the
-   plugin wraps it so the layer pass runs on the whole graph first; vLLM then cuts the graph
-   at the ops like at its attention ops, and Inductor compiles the pieces as in stock vLLM.
+   plugin wraps it so the layer pass runs on the whole graph first, moving the ops to vLLM's
+   own split points (its attention and KV-cache update ops); vLLM then cuts the graph there,
+   and Inductor compiles exactly stock vLLM's pieces.
    It acts only when the ops are in ``splitting_ops``: stock runs are untouched.
 """
 
@@ -65,7 +66,7 @@ def steer_cudagraph_dispatch(dispatcher: Any, piecewise: Callable[[], bool]) -> 
     dispatcher.dispatch = dispatch
 
 
-def run_pass_before_fx_split(layer_pass: Callable[[Any], None]) -> None:
+def run_pass_before_fx_split(layer_pass: Callable[[Any, list[str]], None]) -> None:
     """Make vLLM's FX split run ``layer_pass`` on the whole graph first (idempotent)."""
     import vllm.compilation.backends as backends
 
@@ -77,7 +78,7 @@ def run_pass_before_fx_split(layer_pass: Callable[[Any], None]) -> None:
 
     def split_graph(graph: Any, splitting_ops: list[str]) -> Any:
         if any(op in splitting_ops for op in OP_NAMES):
-            layer_pass(graph.graph)
+            layer_pass(graph.graph, [op for op in splitting_ops if op not in OP_NAMES])
             graph.recompile()
         return original(graph, splitting_ops)
 

@@ -3,9 +3,10 @@ FX split (``vllm.compilation.backends.split_graph``, wrapped by the HACK) cuts t
 attention op and at ours, as ``VllmBackend`` does without Inductor partitioning.
 
 Proves: the pass works on Dynamo-level graphs (``call_method`` nodes, ``example_value``
-metadata); every op becomes an eager piece (or shares one with its neighbour op), in layer
-order, and no compiled piece holds one; outputs equal eager at every depth, with no
-recompilation; and stock splitting (without our ops listed) is left alone."""
+metadata); the ops move to vLLM's split points, so every piece Inductor compiles is one of
+stock's, and none holds an op; a pair too close for that keeps the layer boundaries;
+outputs equal eager at every depth, with no recompilation; and stock splitting (without
+our ops listed) is left alone."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dynoff.compile_pass.fx_pass import LayerPrefetchPass
 from dynoff.compile_pass.ops import OP_NAMES, PREFETCH, WAIT
 from dynoff.compile_pass.pairing import partner
 from tests.compile_pass.test_toy_decoder import N, Offloaded
+from tests.compile_pass.toy_model import ToyDecoder
 
 ATTENTION = "dynoff_toy::attention"
 
@@ -62,27 +64,77 @@ def ops_in(item) -> list[tuple[object, int]]:
     ]
 
 
-def test_layer_boundaries_become_eager_pieces(wrapped: LayerPrefetchPass) -> None:
+def test_ops_move_to_vllms_split_points(wrapped: LayerPrefetchPass) -> None:
     rig = Offloaded()
     try:
         backend = SplitBackend([ATTENTION, *OP_NAMES])
         compiled = torch.compile(rig.model, backend=backend)
         torch.testing.assert_close(compiled(rig.x), rig.reference)
-        # In order: wait(0), then per layer the partner's prefetch and the next layer's
-        # wait. (The toy's residual add sits between them; in vLLM's models it belongs to the
-        # next layer's fused add-norm, and the two ops share one piece.)
+        # wait(0) at the top; wait(L + 1) right after layer L's attention; the prefetch that
+        # follows layer L's last weight use right before layer L + 1's attention; the last
+        # layer's at the end. Each second-of-pair layer is still copied in before its wait.
         pieces = [ops_in(i) for i in backend.items if i.is_splitting_graph and ops_in(i)]
         expected = [(WAIT, 0)]
         for layer in range(N):
-            expected.append((PREFETCH, partner(layer, N)))
+            expected += [(PREFETCH, partner(layer - 1, N))] if layer > 0 else []
             expected += [(WAIT, layer + 1)] if layer + 1 < N else []
+        expected.append((PREFETCH, partner(N - 1, N)))
         assert [op for piece in pieces for op in piece] == expected
-        attention = [i for i in backend.items if i.is_splitting_graph and not ops_in(i)]
+        # Every attention piece holds its attention op, and no compute piece holds an op.
+        attention = [i for i in backend.items if i.is_splitting_graph and has(i, ATTENTION)]
         assert len(attention) == N
-        # Every piece between split points is ordinary compute, free of our ops.
         assert all(not ops_in(i) for i in backend.items if not i.is_splitting_graph)
     finally:
         rig.close()
+
+
+def test_compiled_pieces_are_stock_pieces(wrapped: LayerPrefetchPass) -> None:
+    """Inductor gets exactly stock's pieces (same nodes, inputs and outputs), so it fuses and
+    tunes them as stock does and a step at k = 0 computes the same bits."""
+    rig = Offloaded()
+    try:
+        stock = SplitBackend([ATTENTION])
+        torch.compile(rig.model, backend=stock)(rig.x)
+        torch._dynamo.reset()
+        ours = SplitBackend([ATTENTION, *OP_NAMES])
+        torch.compile(rig.model, backend=ours)(rig.x)
+        pieces = [
+            [piece_signature(i) for i in b.items if not i.is_splitting_graph] for b in (stock, ours)
+        ]
+        assert len(pieces[0]) == N + 1
+        assert pieces[1] == pieces[0]
+    finally:
+        rig.close()
+
+
+def test_boundaries_kept_when_a_pair_is_too_close(wrapped: LayerPrefetchPass) -> None:
+    """N = 2: layer 1's copy, issued after layer 0's last weight use, would move past the
+    wait before layer 1 (right after layer 0's attention); the pass keeps the boundaries."""
+    torch.manual_seed(0)
+    model = ToyDecoder(2).requires_grad_(False)
+    x = torch.randn(1, 6, 64)
+    backend = SplitBackend([ATTENTION, *OP_NAMES])
+    torch.compile(model, backend=backend)(x)
+    flat = [op for i in backend.items if i.is_splitting_graph for op in ops_in(i)]
+    assert flat == [(WAIT, 0), (PREFETCH, 1), (WAIT, 1), (PREFETCH, 0)]
+    graph = next(i for i in backend.items if i.is_splitting_graph and (PREFETCH, 1) in ops_in(i))
+    assert not has(graph, ATTENTION)  # a piece of its own, between layer 0 and layer 1
+
+
+def has(item, op_name: str) -> bool:
+    return any(
+        getattr(node.target, "name", lambda: "")().startswith(op_name)
+        or getattr(node.target, "_qualified_op_name", None) == op_name
+        for node in item.graph.graph.nodes
+    )
+
+
+def piece_signature(item) -> tuple:
+    graph = item.graph.graph
+    calls = tuple(str(n.target) for n in graph.nodes if n.op in ("call_function", "call_method"))
+    inputs = len(graph.find_nodes(op="placeholder"))
+    (output,) = graph.find_nodes(op="output")
+    return calls, inputs, len(output.all_input_nodes)
 
 
 def test_outputs_equal_eager_at_every_level_without_recompiling(

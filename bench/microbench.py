@@ -9,9 +9,9 @@ One engine, its level steered from outside through the plugin's ``level_file``; 
   against the link peak measured in the same engine (``h2d_peak_GBps``);
 * **iteration time** (CUDA events around each forward, from the plugin's trace), split into
   decode-only steps at batch ``--decode-batch``, prefill-only steps (``--prefill-prompts``
-  prompts of ``--prompt-len`` tokens, chunked) and mixed steps (that decode batch plus
-  chunks of ``--mixed-prompts`` such prompts), and the KV capacity (GiB, tokens) the
-  scheduler sees at that level;
+  prompts of ``--prompt-len`` tokens; timed on full chunks of ``prefill_tokens``) and
+  mixed steps (that decode batch plus chunks of ``--mixed-prompts`` such prompts), and the
+  KV capacity (GiB, tokens) the scheduler sees at that level;
 * **resize cost** of every transition k -> k+1 on the way up and k+1 -> k on the way down:
   wall time, page slots remapped, and its parts: waiting for queued GPU work, VMM driver
   calls, restoring layers from pinned memory;
@@ -151,6 +151,9 @@ class Bench:
         self.llm.collective_rpc("dynoff_stats")  # resets the transfer counters
         mark = len(read_trace(self.trace))
         self.generate([(args.prompt_len, 1)] * args.prefill_prompts)  # prefill-only steps
+        # Prefill is timed on these steps only: full chunks of long prompts. (The mixed
+        # phase starts with a step of short prompts, a different composition.)
+        prefill_records = read_trace(self.trace, mark)
         mixed = [(128, args.decode_tokens)] * args.decode_batch
         mixed += [(args.prompt_len, 1)] * args.mixed_prompts  # chunks join the decodes
         self.generate(mixed)
@@ -162,9 +165,13 @@ class Bench:
             for r in forwards
             if r["prefill_tokens"] == 0 and r["decode_tokens"] == args.decode_batch
         ]
-        prefill = [
-            r["forward_ms"] for r in forwards if r["decode_tokens"] == 0 and r["prefill_tokens"]
+        chunks = [
+            r
+            for r in prefill_records
+            if r["kind"] == "forward" and r["decode_tokens"] == 0 and r["prefill_tokens"]
         ]
+        chunk = max((r["prefill_tokens"] for r in chunks), default=0)
+        prefill = [r["forward_ms"] for r in chunks if r["prefill_tokens"] == chunk]
         mixed_ms = [
             r["forward_ms"]
             for r in forwards
@@ -180,6 +187,7 @@ class Bench:
             "h2d_copies": transfers["copies"],
             "decode_ms": _median(decode),
             "prefill_ms": _median(prefill),
+            "prefill_tokens": chunk,
             "mixed_ms": _median(mixed_ms),
             "samples": {"decode": len(decode), "prefill": len(prefill), "mixed": len(mixed_ms)},
             "kv_capacity_blocks": blocks,

@@ -33,7 +33,7 @@ def test_microbench_sweeps_levels_and_plots(tmp_path: Path) -> None:
     assert capacity == sorted(capacity) and capacity[0] < capacity[-1]
     for k in ("0", "1", "2", "4"):
         assert levels[k]["decode_ms"] > 0 and levels[k]["samples"]["decode"] >= 3
-        assert levels[k]["prefill_ms"] > 0
+        assert levels[k]["prefill_ms"] > 0 and levels[k]["prefill_tokens"] > 0
     assert levels["4"]["h2d_copies"] > levels["1"]["h2d_copies"] > 0 == levels["0"]["h2d_copies"]
     for k in range(4):  # every transition up and back down, with its parts measured
         for key in (f"{k}->{k + 1}", f"{k + 1}->{k}"):

@@ -152,8 +152,11 @@ class Bench:
         mark = len(read_trace(self.trace))
         self.generate([(args.prompt_len, 1)] * args.prefill_prompts)  # prefill-only steps
         # Prefill is timed on these steps only: full chunks of long prompts. (The mixed
-        # phase starts with a step of short prompts, a different composition.)
-        prefill_records = read_trace(self.trace, mark)
+        # phase starts with a step of short prompts, a different composition.) A step's
+        # forward time is reported with a later step, so the phase is told by step number.
+        last_prefill_step = max(
+            (r["step"] for r in read_trace(self.trace, mark) if r["kind"] == "step"), default=0
+        )
         mixed = [(128, args.decode_tokens)] * args.decode_batch
         mixed += [(args.prompt_len, 1)] * args.mixed_prompts  # chunks join the decodes
         self.generate(mixed)
@@ -167,8 +170,8 @@ class Bench:
         ]
         chunks = [
             r
-            for r in prefill_records
-            if r["kind"] == "forward" and r["decode_tokens"] == 0 and r["prefill_tokens"]
+            for r in forwards
+            if r["step"] <= last_prefill_step and r["decode_tokens"] == 0 and r["prefill_tokens"]
         ]
         chunk = max((r["prefill_tokens"] for r in chunks), default=0)
         prefill = [r["forward_ms"] for r in chunks if r["prefill_tokens"] == chunk]

@@ -1,0 +1,61 @@
+"""vLLM's GPU engine with the plugin against stock vLLM (Qwen3-8B, dummy weights), on the GPU
+machine after the staging calls (``../shared/gpu/README.md``):
+
+    source /tmp/site/env.sh && VLLM_USE_V2_MODEL_RUNNER=0 python3 -m pytest -m gpu \\
+        tests/e2e/test_gpu_engine.py
+
+Three engines over the same 256 requests (``bench.gpu.e2e_correctness``, one process each):
+stock vLLM with its default graph mode, the plugin held at k = 0, and the plugin forced
+0 -> 18 -> 0 while the requests decode (the steps at k > 0 steered to the piecewise
+graphs). Asserts token identity with stock and the level round trip. The k = 0 throughput
+ratio is a benchmark figure (``bash bench/gpu/e2e_correctness.sh identity``), not asserted
+here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).parents[2]
+MODEL = Path(os.environ.get("DYNOFF_GPU_MODEL", "/tmp/site/models/qwen3-8b"))
+MAX_LEVEL = 18
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    if not MODEL.exists():
+        pytest.skip(f"{MODEL} not staged (../shared/gpu/README.md)")
+    tmp = tmp_path_factory.mktemp("e2e")
+    out = tmp / "e2e.json"
+    cmd = [sys.executable, "-m", "bench.gpu.e2e_correctness", "--model", str(MODEL)]
+    cmd += ["--out", str(out), "--engines", "stock", "k0", "forced", "--repeats", "1"]
+    cmd += ["--max-level", str(MAX_LEVEL), "--workdir", str(tmp / "work")]
+    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    failed = {m: e["error"][-500:] for m, e in result["engines"].items() if "error" in e}
+    assert not failed, failed
+    return result
+
+
+def test_tokens_identical_to_stock(report: dict) -> None:
+    assert report["requests"] >= 200
+    identity = report["identity"]
+    for pair in ("k0_vs_stock", "forced_vs_stock", "forced_vs_k0"):
+        assert identity[pair]["identical"], (pair, identity[pair])
+    assert report["token_identical"]
+
+
+def test_levels_round_trip_under_load(report: dict) -> None:
+    assert report["max_level_reached"] == MAX_LEVEL
+    assert report["levels_visited"][0] == 0 and report["levels_visited"][-1] == 0
+    assert report["level_changes"] >= 2 * MAX_LEVEL
+    assert report["resize_failures"] == 0

@@ -98,7 +98,7 @@ class LayerPrefetchPass(InductorPass):
             )
             return
         owned = self._weights_by_layer(graph, by_layer)
-        waits = {layer: self._wait_site(graph, layer, by_layer[layer]) for layer in by_layer}
+        waits = {layer: self._wait_site(layer, by_layer[layer]) for layer in by_layer}
         issuer = {
             other: layer
             for layer in range(num_layers)
@@ -111,7 +111,8 @@ class LayerPrefetchPass(InductorPass):
         aligned = False
         if split_points:
             order = {node: n for n, node in enumerate(graph.nodes)}
-            splits = [node for node in graph.nodes if _splits(node, split_points)]
+            points = list(split_points)
+            splits = [node for node in graph.nodes if _splits(node, points)]
             moved_waits = {k: _after_split(site, splits, order) for k, site in waits.items()}
             moved = {k: _before_split(site, splits, order, graph) for k, site in prefetches.items()}
             # A layer copied in by an earlier layer of the same step (the second of a pair)
@@ -179,7 +180,7 @@ class LayerPrefetchPass(InductorPass):
 
     # -- where the ops go: (node, insert before it?, tensor argument) -----------------------
     @staticmethod
-    def _wait_site(graph: fx.Graph, layer: int, nodes: list[fx.Node]) -> Site:
+    def _wait_site(layer: int, nodes: list[fx.Node]) -> Site:
         """Before the layer's first node, on the residual stream entering it."""
         inside = set(nodes)
         first = nodes[0]
@@ -225,10 +226,11 @@ def _insert(
         graph.call_function(op, (x, layer))
 
 
-def _splits(node: fx.Node, split_points: Collection[str]) -> bool:
+def _splits(node: fx.Node, split_points: list[str]) -> bool:
+    """Whether vLLM's FX split cuts the graph at ``node`` (vLLM's own rule)."""
     from vllm.compilation.partition_rules import should_split
 
-    return node.target not in (WAIT, PREFETCH) and should_split(node, list(split_points))
+    return node.target not in (WAIT, PREFETCH) and should_split(node, split_points)
 
 
 def _position(site: Site, order: dict[fx.Node, int]) -> float:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import vllm.compilation.backends as backends
 from torch import fx
+from vllm.compilation.partition_rules import should_split
 
 from dynoff.compile_pass import hacks
 from dynoff.compile_pass.fx_pass import LayerPrefetchPass
@@ -122,11 +123,8 @@ def test_boundaries_kept_when_a_pair_is_too_close(wrapped: LayerPrefetchPass) ->
 
 
 def has(item, op_name: str) -> bool:
-    return any(
-        getattr(node.target, "name", lambda: "")().startswith(op_name)
-        or getattr(node.target, "_qualified_op_name", None) == op_name
-        for node in item.graph.graph.nodes
-    )
+    """Whether the piece holds ``op_name``, by vLLM's own split rule."""
+    return any(should_split(node, [op_name]) for node in item.graph.graph.nodes)
 
 
 def piece_signature(item) -> tuple:

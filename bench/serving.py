@@ -9,6 +9,13 @@ seconds of arrivals, then a measurement window of ``--window`` seconds, then up 
 ``--grace`` seconds for in-flight requests to finish; the rest are aborted and the prefix
 cache is reset, and every rate draws fresh prompts (no cache hits across rates).
 
+``--staircase`` saves the drain and the refill between rates, which is most of a rate's
+time when requests live tens of seconds: the next rate's arrivals start as soon as a window
+ends, and its window opens ``--step-warmup`` seconds later, with the earlier requests still
+in flight (the engine stays in steady state). Its queue is sampled over every request in
+flight, so a backlog left by an unsustainable rate counts against the next one; the
+achieved rate counts every completion inside the window. Only the last rate drains.
+
 Systems (same model and memory): ``stock`` (vLLM's defaults), ``stock-piecewise``
 (``cudagraph_mode=PIECEWISE``: the graph-mode cost alone), ``dynamic`` (the plugin's
 policy), ``static`` (the plugin held at ``--static-level``) and ``prefetch`` (vLLM's own
@@ -94,10 +101,10 @@ def engine_kwargs(args: argparse.Namespace, trace: Path) -> dict[str, Any]:
 
 
 class Request:
-    __slots__ = ("arrival", "done", "first", "gaps", "last", "tokens")
+    __slots__ = ("arrival", "done", "first", "gaps", "last", "rid", "tokens")
 
-    def __init__(self, arrival: float) -> None:
-        self.arrival = arrival
+    def __init__(self, arrival: float, rid: str) -> None:
+        self.arrival, self.rid = arrival, rid
         self.first: float | None = None
         self.last: float | None = None
         self.done: float | None = None
@@ -105,7 +112,7 @@ class Request:
         self.tokens = 0
 
 
-async def one_request(engine: Any, rid: str, ids: list[int], output: int, req: Request) -> None:
+async def one_request(engine: Any, ids: list[int], output: int, req: Request) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -117,7 +124,7 @@ async def one_request(engine: Any, rid: str, ids: list[int], output: int, req: R
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
     )
-    async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, rid):
+    async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, req.rid):
         now = time.monotonic()
         new = len(out.outputs[0].token_ids)
         if new:
@@ -149,81 +156,110 @@ def _quantiles(values: list[float], points: int = 100) -> list[float]:
     ]
 
 
-async def run_rate(
-    engine: Any, workload: list[dict[str, Any]], rate: float, salt: int, args: argparse.Namespace
-) -> dict[str, Any]:
+class Step:
+    """One rate of the sweep: its arrivals, its requests and the queue samples."""
+
+    def __init__(self, rate: float, salt: int, start: float, warmup: float, window: float):
+        self.rate, self.salt, self.start = rate, salt, start
+        self.warmup = warmup
+        self.window_start, self.window_end = start + warmup, start + warmup + window
+        self.requests: list[Request] = []
+        self.samples: list[tuple[float, int, int]] = []
+
+
+async def run_step(
+    engine: Any,
+    workload: list[dict[str, Any]],
+    step: Step,
+    inflight: list[Request],
+    tasks: list[asyncio.Task[None]],
+    args: argparse.Namespace,
+) -> None:
+    """Poisson arrivals at ``step.rate`` until the window ends. ``inflight`` holds every
+    request not yet finished, earlier steps' included: the queue is sampled over all of them,
+    so a backlog carried into a staircase step counts against it."""
     from tqdm import tqdm
 
-    rng = random.Random(salt)
+    rng = random.Random(step.salt)
     order = list(range(len(workload)))
     rng.shuffle(order)
-    start = time.monotonic()
-    window_start, window_end = start + args.warmup, start + args.warmup + args.window
-    arrivals, t = [], start
+    arrivals, t = [], step.start
     while True:
-        t += rng.expovariate(rate)
-        if t >= window_end:
+        t += rng.expovariate(step.rate)
+        if t >= step.window_end:
             break
         arrivals.append(t)
-    requests: list[Request] = []
-    tasks: list[asyncio.Task[None]] = []
-    samples: list[tuple[float, int, int]] = []
 
     async def launch() -> None:
         for n, at in enumerate(arrivals):
             await asyncio.sleep(max(0.0, at - time.monotonic()))
             spec = workload[order[n % len(order)]]
-            segments = [[seed + salt * 10_000_000, length] for seed, length in spec["segments"]]
-            req = Request(time.monotonic())
-            requests.append(req)
+            salt = step.salt * 10_000_000
+            segments = [[seed + salt, length] for seed, length in spec["segments"]]
+            req = Request(time.monotonic(), f"r{step.salt}-{n}")
+            step.requests.append(req)
+            inflight.append(req)
             ids = prompt_ids(segments, args.vocab)
-            tasks.append(
-                asyncio.create_task(one_request(engine, f"r{salt}-{n}", ids, spec["output"], req))
-            )
+            tasks.append(asyncio.create_task(one_request(engine, ids, spec["output"], req)))
 
     launcher = asyncio.create_task(launch())
-    bar = tqdm(total=round(window_end - start), desc=f"{rate:g} req/s", unit="s", leave=False)
-    while time.monotonic() < window_end:
+    total = round(step.window_end - step.start)
+    bar = tqdm(total=total, desc=f"{step.rate:g} req/s", unit="s", leave=False)
+    while time.monotonic() < step.window_end:
         await asyncio.sleep(args.sample)
-        waiting = sum(r.first is None for r in requests)
-        running = sum(r.first is not None and r.done is None for r in requests)
-        samples.append((round(time.monotonic() - start, 3), waiting, running))
-        bar.n = min(bar.total, round(time.monotonic() - start))
+        inflight[:] = [r for r in inflight if r.done is None]
+        waiting = sum(r.first is None for r in inflight)
+        running = len(inflight) - waiting
+        step.samples.append((round(time.monotonic() - step.start, 3), waiting, running))
+        bar.n = min(total, round(time.monotonic() - step.start))
         bar.refresh()
     bar.close()
     await launcher
-    grace_end = time.monotonic() + args.grace
-    while time.monotonic() < grace_end and any(r.done is None for r in requests):
+
+
+async def drain(
+    engine: Any, inflight: list[Request], tasks: list[asyncio.Task[None]], grace: float
+) -> int:
+    """Up to ``grace`` seconds for in-flight requests to finish; the rest are aborted."""
+    grace_end = time.monotonic() + grace
+    while time.monotonic() < grace_end and any(r.done is None for r in inflight):
         await asyncio.sleep(0.2)
-    unfinished = [f"r{salt}-{n}" for n, r in enumerate(requests) if r.done is None]
+    unfinished = [r.rid for r in inflight if r.done is None]
     if unfinished:
         await engine.abort(unfinished)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    inflight.clear()
+    tasks.clear()
+    return len(unfinished)
 
-    measured = [r for r in requests if window_start <= r.arrival < window_end]
+
+def summarize(step: Step, everyone: list[Request], args: argparse.Namespace) -> dict[str, Any]:
+    """The step's figures. Achieved rate counts every completion inside the window (a
+    staircase step also completes requests that arrived before it); latencies are those of
+    the requests that arrived inside the window."""
+    measured = [r for r in step.requests if step.window_start <= r.arrival < step.window_end]
     completed_in_window = sum(
-        1 for r in requests if r.done is not None and window_start <= r.done < window_end
+        1 for r in everyone if r.done is not None and step.window_start <= r.done < step.window_end
     )
     done = [r for r in measured if r.done is not None]
     ttft = [r.first - r.arrival for r in done if r.first is not None]
     tbt = [g for r in done for g in r.gaps]
     e2e = [r.done - r.arrival for r in done if r.done is not None]
     quarter = args.window / 4
-    offset = args.warmup
-    first = [w for t_, w, _ in samples if offset <= t_ < offset + quarter]
-    last = [w for t_, w, _ in samples if t_ >= offset + 3 * quarter]
+    offset = step.warmup
+    first = [w for t_, w, _ in step.samples if offset <= t_ < offset + quarter]
+    last = [w for t_, w, _ in step.samples if t_ >= offset + 3 * quarter]
     growth = (statistics.fmean(last) if last else 0.0) - (statistics.fmean(first) if first else 0.0)
     arrivals_in_window = len(measured)
     return {
-        "target_rate": rate,
+        "target_rate": step.rate,
         "achieved_rate": round(completed_in_window / args.window, 3),
         "arrivals_in_window": arrivals_in_window,
         "completed_in_window": completed_in_window,
         "measured_completed": len(done),
         "measured_unfinished": len(measured) - len(done),
-        "aborted": len(unfinished),
         "output_tokens_per_s": round(sum(r.tokens for r in done) / args.window, 1),
         "queue_growth": round(growth, 2),
         "sustainable": growth < 0.05 * max(1, arrivals_in_window),
@@ -231,8 +267,8 @@ async def run_rate(
         "tbt_ms": {"p50": _pct(tbt, 0.5), "p99": _pct(tbt, 0.99)},
         "e2e_ms": {"p50": _pct(e2e, 0.5), "p99": _pct(e2e, 0.99)},
         "cdf_ms": {"ttft": _quantiles(ttft), "tbt": _quantiles(tbt), "e2e": _quantiles(e2e)},
-        "queue_samples": samples,
-        "window": [round(window_start - start, 3), round(window_end - start, 3)],
+        "queue_samples": step.samples,
+        "window": [round(step.warmup, 3), round(step.warmup + args.window, 3)],
     }
 
 
@@ -272,19 +308,46 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "startup_s": round(startup_s, 1),
         "settings": {
             k: getattr(args, k)
-            for k in ("window", "warmup", "grace", "static_level", "route", "policy")
+            for k in (
+                "window",
+                "warmup",
+                "step_warmup",
+                "staircase",
+                "grace",
+                "static_level",
+                "route",
+                "policy",
+            )
         },
         "rates": [],
+        "aborted": 0,
     }
     if args.system == "prefetch":
         results["settings"]["prefetch_group"] = args.prefetch_group
+    steps: list[Step] = []
+    everyone: list[Request] = []
+    inflight: list[Request] = []
+    tasks: list[asyncio.Task[None]] = []
+
+    def measured() -> list[dict[str, Any]]:
+        return [summarize(step, everyone, args) for step in steps]
+
     try:
         for n, rate in enumerate(tqdm(sorted(args.rates), desc=args.system, unit="rate")):
-            await engine.reset_prefix_cache()
-            entry = await run_rate(engine, workload["requests"], rate, n + 1, args)
-            results["rates"].append(entry)
+            staircase_step = args.staircase and n > 0
+            if not staircase_step:
+                await engine.reset_prefix_cache()
+            warmup = args.step_warmup if staircase_step else args.warmup
+            step = Step(rate, n + 1, time.monotonic(), warmup, args.window)
+            steps.append(step)
+            await run_step(engine, workload["requests"], step, inflight, tasks, args)
+            everyone += step.requests
+            last = n == len(args.rates) - 1
+            if not args.staircase or last:
+                results["aborted"] += await drain(engine, inflight, tasks, args.grace)
+            entry = summarize(step, everyone, args)
             # a crash or a device time limit later keeps the rates measured so far
-            write_results(args.out, {**results, "partial": True})
+            write_results(args.out, {**results, "rates": measured(), "partial": True})
             tqdm.write(
                 json.dumps(
                     {
@@ -295,7 +358,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             )
             if args.stop_after_unsustainable and not entry["sustainable"]:
+                if inflight:
+                    results["aborted"] += await drain(engine, inflight, tasks, args.grace)
                 break
+        results["rates"] = measured()
     finally:
         engine.shutdown()
     sustainable = [r["achieved_rate"] for r in results["rates"] if r["sustainable"]]
@@ -314,6 +380,14 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=90.0)
     parser.add_argument("--warmup", type=float, default=20.0)
     parser.add_argument("--grace", type=float, default=30.0)
+    parser.add_argument(
+        "--staircase",
+        action="store_true",
+        help="raise the rate without draining between rates (see the module docstring)",
+    )
+    parser.add_argument(
+        "--step-warmup", type=float, default=10.0, help="staircase: seconds before each window"
+    )
     parser.add_argument("--sample", type=float, default=0.5)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-model-len", type=int, default=8192)

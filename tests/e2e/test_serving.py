@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
 
 
-def test_serving_driver_measures_two_rates_and_plots(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sweep", ["drain", "staircase"])
+def test_serving_driver_measures_two_rates_and_plots(tmp_path: Path, sweep: str) -> None:
     workload = tmp_path / "tiny.json"
     requests = [
         {"segments": [[i, 40 + (i * 7) % 60]], "output": 16 + (i * 5) % 32} for i in range(200)
@@ -25,10 +26,14 @@ def test_serving_driver_measures_two_rates_and_plots(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "bench.serving", "--cpu", "--system", "dynamic"]
     cmd += ["--workload", str(workload), "--rates", "1", "3", "--window", "10"]
     cmd += ["--warmup", "2", "--grace", "10", "--out", str(out)]
+    if sweep == "staircase":  # the second rate starts with the first one's requests in flight
+        cmd += ["--staircase", "--step-warmup", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
     assert [r["target_rate"] for r in results["rates"]] == [1.0, 3.0]
+    assert results["settings"]["staircase"] == (sweep == "staircase")
+    assert results["aborted"] == 0
     for rate in results["rates"]:
         assert rate["measured_completed"] == rate["arrivals_in_window"] > 0
         assert 0.5 * rate["target_rate"] < rate["achieved_rate"] < 2 * rate["target_rate"]

@@ -178,8 +178,26 @@ def plot_resize(runs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
 def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    runs = [json.loads(p.read_text()) for p in paths]
+    from bench.serving_report import load_systems
+
+    runs = list(load_systems(paths).values())  # rescored, one per system
     written = []
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    names = [run["system"] for run in runs]
+    tops = [run["max_sustainable_rate"] or 0.0 for run in runs]
+    bars = ax.barh(
+        names, tops, color=["tab:green" if n == "dynamic" else "tab:gray" for n in names]
+    )
+    ax.bar_label(bars, fmt="%.2f", padding=3)
+    ax.invert_yaxis()
+    ax.set_xlabel("max sustainable rate (req/s)")
+    ax.set_xlim(0, max([*tops, 1.0]) * 1.2)
+    fig.suptitle(f"{name}: max sustainable rate")
+    fig.tight_layout()
+    written.append(out / f"{name}_maxrate.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     for ax, metric in zip(axes, ("ttft_ms", "tbt_ms", "e2e_ms"), strict=True):
         for run in runs:
@@ -225,14 +243,15 @@ def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None
 
     ours = [r for r in runs if r.get("trace")]
     if ours:
-        fig, axes = plt.subplots(3, 1, figsize=(11, 7), sharex=True)
+        fig, axes = plt.subplots(4, 1, figsize=(11, 9), sharex=True)
         for run in ours:
             trace = run["trace"]
             ts = [r["t"] for r in trace]
             axes[0].step(ts, [r["level"] for r in trace], where="post", label=run["system"])
             axes[1].plot(ts, [r["kv_util"] for r in trace], lw=0.8, label=run["system"])
             axes[2].plot(ts, [r["waiting"] for r in trace], lw=0.8, label=run["system"])
-        labels = ("offload level k", "KV utilisation", "waiting requests")
+            axes[3].plot(ts, [r["running"] for r in trace], lw=0.8, label=run["system"])
+        labels = ("offload level k", "KV utilisation", "waiting requests", "running requests")
         for ax, label in zip(axes, labels, strict=True):
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)

@@ -1,8 +1,8 @@
 """Open-loop serving benchmark: Poisson arrivals into an in-process ``AsyncLLM``.
 
     python -m bench.serving --system dynamic --model /tmp/site/models/qwen3-32b \\
-        --workload bench/workloads/sharegpt.json --rates 8 12 14 16 --window 90 \\
-        --gpu-memory-utilization 0.62 --out $OUT/serving_qwen3-32b_b_dynamic_h200.json
+        --workload bench/workloads/sharegpt.json --rates 12 16 19 22 --staircase \\
+        --window 30 --gpu-memory-utilization 0.62 --out $OUT/serving_qwen3-32b_b_dynamic_h200.json
 
 One engine start per system; the rates run in ascending order on it. Per rate: ``--warmup``
 seconds of arrivals, then a measurement window of ``--window`` seconds, then up to
@@ -16,19 +16,21 @@ in flight (the engine stays in steady state). Its queue is sampled over every re
 flight, so a backlog left by an unsustainable rate counts against the next one; the
 achieved rate counts every completion inside the window. Only the last rate drains.
 
-Systems (same model and memory): ``stock`` (vLLM's defaults), ``stock-piecewise``
-(``cudagraph_mode=PIECEWISE``: the graph-mode cost alone), ``dynamic`` (the plugin's
-policy), ``static`` (the plugin held at ``--static-level``) and ``prefetch`` (vLLM's own
-``PrefetchOffloader``, ``--prefetch-layers`` layers in groups of ``--prefetch-group``).
+Systems (same model and memory, each with `vllm serve`'s defaults for the batch limits):
+``stock`` (vLLM's defaults), ``stock-piecewise`` (``cudagraph_mode=PIECEWISE``: the
+graph-mode cost alone), ``dynamic`` (the plugin's policy), ``static`` (the plugin held at
+``--static-level``) and ``prefetch`` (vLLM's own ``PrefetchOffloader``: one layer of every
+``--prefetch-group`` offloaded).
 
 Per request: TTFT, every inter-token gap (TBT) and E2E latency. Achieved rate = requests
 completed inside the window / window length. The waiting queue (arrived, no first token yet)
-is sampled every ``--sample`` seconds; **a rate is sustainable when the mean queue over the
-window's last quarter exceeds the mean over its first quarter by less than 5% of the window's
-arrivals**, and the maximum sustainable rate is the highest achieved rate among sustainable
-rates. For the plugin's systems the trace (level, KV utilisation, queue) is sampled every
-step. Runs on vLLM's CPU engine too (``--cpu``: a generated Llama, ``stock`` = the
-reference worker, ``dynamic``/``static`` = the plugin).
+is sampled every ``--sample`` seconds; **a rate is sustainable when the queue does not grow
+over the window: the least-squares slope of its samples stays below 2% of the offered
+rate**, and the maximum sustainable rate is the highest achieved rate among sustainable
+rates. Arrivals and prompts depend on the rate alone, so every system sees the same ones.
+For the plugin's systems the trace (level, KV utilisation, queue) is sampled every step.
+Runs on vLLM's CPU engine too (``--cpu``: a generated Llama, ``stock`` = the reference
+worker, ``dynamic``/``static`` = the plugin).
 """
 
 from __future__ import annotations
@@ -48,11 +50,13 @@ from bench.workloads import prompt_ids
 
 SYSTEMS = ("stock", "stock-piecewise", "dynamic", "static", "prefetch")
 PLUGIN_SYSTEMS = ("dynamic", "static")
+SLOPE_FRACTION = 0.02
 DEFINITION = (
     "achieved rate = requests completed inside the window / window length; a rate is "
-    "sustainable when the waiting queue (arrived, no first token) averaged over the window's "
-    "last quarter exceeds its average over the first quarter by less than 5% of the window's "
-    "arrivals; max sustainable rate = highest achieved rate among sustainable rates"
+    "sustainable when the waiting queue (arrived, no first token yet) does not grow over the "
+    "window: the least-squares slope of its samples is below 2% of the offered rate "
+    "(requests/s), i.e. fewer than 1 in 50 offered requests pile up; max sustainable rate = "
+    "highest achieved rate among sustainable rates"
 )
 
 
@@ -235,6 +239,27 @@ async def drain(
     return len(unfinished)
 
 
+def rate_salt(rate: float) -> int:
+    return round(rate * 1000) + 1
+
+
+def queue_slope(
+    samples: list[tuple[float, int, int]] | list[list[float]], t0: float, t1: float
+) -> float:
+    """Least-squares slope (requests/s) of the waiting queue sampled inside [t0, t1)."""
+    points = [(s[0], s[1]) for s in samples if t0 <= s[0] < t1]
+    if len(points) < 2:
+        return 0.0
+    mean_t = statistics.fmean(t for t, _ in points)
+    mean_q = statistics.fmean(q for _, q in points)
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    return sum((t - mean_t) * (q - mean_q) for t, q in points) / var if var else 0.0
+
+
+def sustainable(slope: float, rate: float) -> bool:
+    return slope < SLOPE_FRACTION * rate
+
+
 def summarize(step: Step, everyone: list[Request], args: argparse.Namespace) -> dict[str, Any]:
     """The step's figures. Achieved rate counts every completion inside the window (a
     staircase step also completes requests that arrived before it); latencies are those of
@@ -247,11 +272,7 @@ def summarize(step: Step, everyone: list[Request], args: argparse.Namespace) -> 
     ttft = [r.first - r.arrival for r in done if r.first is not None]
     tbt = [g for r in done for g in r.gaps]
     e2e = [r.done - r.arrival for r in done if r.done is not None]
-    quarter = args.window / 4
-    offset = step.warmup
-    first = [w for t_, w, _ in step.samples if offset <= t_ < offset + quarter]
-    last = [w for t_, w, _ in step.samples if t_ >= offset + 3 * quarter]
-    growth = (statistics.fmean(last) if last else 0.0) - (statistics.fmean(first) if first else 0.0)
+    slope = queue_slope(step.samples, step.warmup, step.warmup + args.window)
     arrivals_in_window = len(measured)
     return {
         "target_rate": step.rate,
@@ -261,8 +282,8 @@ def summarize(step: Step, everyone: list[Request], args: argparse.Namespace) -> 
         "measured_completed": len(done),
         "measured_unfinished": len(measured) - len(done),
         "output_tokens_per_s": round(sum(r.tokens for r in done) / args.window, 1),
-        "queue_growth": round(growth, 2),
-        "sustainable": growth < 0.05 * max(1, arrivals_in_window),
+        "queue_slope": round(slope, 3),
+        "sustainable": sustainable(slope, step.rate),
         "ttft_ms": {"p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99)},
         "tbt_ms": {"p50": _pct(tbt, 0.5), "p99": _pct(tbt, 0.99)},
         "e2e_ms": {"p50": _pct(e2e, 0.5), "p99": _pct(e2e, 0.99)},
@@ -290,14 +311,22 @@ def trace_series(trace: Path, limit: int = 4000) -> list[dict[str, Any]]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     workload = json.loads(Path(args.workload).read_text())
     workdir = Path(tempfile.mkdtemp(prefix="dynoff-serving-"))
     trace = workdir / "trace.jsonl"
     started = time.monotonic()
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(args, trace)))
+    # `vllm serve`'s defaults (on an H200: max_num_seqs 1024, max_num_batched_tokens 8192),
+    # not the in-process engine's (128, 2048), under which the batch cap binds before the KV
+    # cache does
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(**engine_kwargs(args, trace)),
+        usage_context=UsageContext.OPENAI_API_SERVER,
+    )
     startup_s = time.monotonic() - started
+    config = engine.vllm_config
     args.vocab = min(30000, engine.vllm_config.model_config.get_vocab_size())
     results: dict[str, Any] = {
         "system": args.system,
@@ -306,6 +335,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "definition": DEFINITION,
         "startup_s": round(startup_s, 1),
+        "engine": {
+            "usage_context": "OPENAI_API_SERVER",
+            "max_num_seqs": config.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+            "kv_cache_blocks": config.cache_config.num_gpu_blocks,
+            "block_size": config.cache_config.block_size,
+            "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        },
         "settings": {
             k: getattr(args, k)
             for k in (
@@ -338,7 +375,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if not staircase_step:
                 await engine.reset_prefix_cache()
             warmup = args.step_warmup if staircase_step else args.warmup
-            step = Step(rate, n + 1, time.monotonic(), warmup, args.window)
+            # the salt depends on the rate alone: every system sees the same arrival times
+            # and the same prompts at a given rate
+            step = Step(rate, rate_salt(rate), time.monotonic(), warmup, args.window)
             steps.append(step)
             await run_step(engine, workload["requests"], step, inflight, tasks, args)
             everyone += step.requests
@@ -352,7 +391,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 json.dumps(
                     {
                         k: entry[k]
-                        for k in ("target_rate", "achieved_rate", "sustainable", "queue_growth")
+                        for k in ("target_rate", "achieved_rate", "sustainable", "queue_slope")
                     }
                     | {"ttft_p50": entry["ttft_ms"]["p50"], "tbt_p50": entry["tbt_ms"]["p50"]}
                 )

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU machine, warm after the staging calls (../shared/gpu/README.md). One system per call:
 #   device run:  source /tmp/site/env.sh && bash bench/gpu/serving.sh SYSTEM MODEL REGIME WORKLOAD "RATES" [args]
-#   e.g.         bash bench/gpu/serving.sh stock qwen3-32b b sharegpt "6 9 11 12 13 14" --window 60
+#   e.g.         bash bench/gpu/serving.sh stock qwen3-32b b sharegpt "12 16 19 22" --staircase --window 30
 # REGIME a = the whole H200 (gpu_memory_utilization 0.9), b = GH200-sized (0.62).
 # SYSTEM: stock | stock-piecewise | dynamic | static | prefetch (see bench/serving.py).
 set -uo pipefail

@@ -34,6 +34,9 @@ def test_serving_driver_measures_two_rates_and_plots(tmp_path: Path, sweep: str)
     assert [r["target_rate"] for r in results["rates"]] == [1.0, 3.0]
     assert results["settings"]["staircase"] == (sweep == "staircase")
     assert results["aborted"] == 0
+    engine = results["engine"]  # `vllm serve`'s batch limits, and the KV cache they share
+    assert engine["usage_context"] == "OPENAI_API_SERVER"
+    assert engine["max_num_seqs"] > 0 and engine["kv_cache_blocks"] > 0
     for rate in results["rates"]:
         assert rate["measured_completed"] == rate["arrivals_in_window"] > 0
         assert 0.5 * rate["target_rate"] < rate["achieved_rate"] < 2 * rate["target_rate"]

@@ -1,0 +1,78 @@
+"""The serving report: the sustainability rule on queue samples, merging a system's split
+sweep by rate, and the ratios the README quotes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.serving import queue_slope, sustainable
+from bench.serving_report import load_systems, markdown, report
+
+
+def _entry(rate: float, achieved: float, queue_per_s: float) -> dict[str, Any]:
+    """A rate whose waiting queue grows by ``queue_per_s`` over a 30 s window after 10 s."""
+    samples = [[t / 2, round(max(0.0, (t / 2 - 10) * queue_per_s)), 50] for t in range(0, 81)]
+    latency = {"p50": 100.0, "p99": 300.0}
+    return {
+        "target_rate": rate,
+        "achieved_rate": achieved,
+        "sustainable": True,  # recorded under an older rule: the report judges it again
+        "queue_samples": samples,
+        "window": [10.0, 40.0],
+        "arrivals_in_window": round(30 * rate),
+        "completed_in_window": round(30 * achieved),
+        "ttft_ms": latency,
+        "tbt_ms": latency,
+        "e2e_ms": latency,
+    }
+
+
+def _write(tmp_path: Path, name: str, system: str, rates: list[dict[str, Any]]) -> Path:
+    run = {
+        "command": f"python3 -m bench.serving --system {system}",
+        "machine": {"date": "2026-12-03T00:00:00+00:00", "gpu": "NVIDIA H200"},
+        "system": system,
+        "model": "/tmp/site/models/qwen3-32b",
+        "workload": {"name": "sharegpt"},
+        "gpu_memory_utilization": 0.62,
+        "startup_s": 70.0,
+        "settings": {"window": 30.0},
+        "rates": rates,
+    }
+    path = tmp_path / name
+    path.write_text(json.dumps(run))
+    return path
+
+
+def test_queue_slope_tells_a_growing_queue_from_a_flat_one() -> None:
+    flat = [(t / 2, 3 + (t % 3), 10) for t in range(80)]  # jitters, does not grow
+    growing = [(t / 2, t // 2, 10) for t in range(80)]  # one request per second
+    assert abs(queue_slope(flat, 0.0, 40.0)) < 0.05
+    assert abs(queue_slope(growing, 0.0, 40.0) - 1.0) < 0.05
+    assert queue_slope(growing, 100.0, 200.0) == 0.0  # no samples in the window
+    assert sustainable(0.1, 10.0) and not sustainable(0.5, 10.0)
+
+
+def test_report_merges_split_sweeps_rescoring_and_ratios(tmp_path: Path) -> None:
+    stock_low = _write(tmp_path, "a.json", "stock", [_entry(8, 7.9, 0.0), _entry(12, 11.8, 0.0)])
+    stock_high = _write(tmp_path, "b.json", "stock", [_entry(12, 12.1, 0.0), _entry(14, 12.9, 1.0)])
+    dynamic = _write(tmp_path, "c.json", "dynamic", [_entry(12, 12.0, 0.0), _entry(14, 13.8, 0.1)])
+    static = _write(tmp_path, "d.json", "static", [_entry(6, 6.0, 0.0), _entry(9, 8.1, 2.0)])
+    systems = load_systems([stock_low, stock_high, dynamic, static])
+
+    stock = systems["stock"]
+    assert [r["target_rate"] for r in stock["rates"]] == [8, 12, 14]
+    assert stock["rates"][1]["achieved_rate"] == 12.1  # the later file wins a shared rate
+    assert [r["sustainable"] for r in stock["rates"]] == [True, True, False]
+    assert len(stock["sources"]) == 2
+
+    result = report(systems, "b")
+    assert result["max_sustainable_rate"] == {"stock": 12.1, "dynamic": 13.8, "static": 6.0}
+    assert result["ratios"]["dynamic_over_stock"] == round(13.8 / 12.1, 3)
+    assert result["ratios"]["dynamic_over_static"] == 2.3
+    assert result["ratios"]["dynamic_over_prefetch"] is None
+    assert result["missing_systems"] == ["stock-piecewise", "prefetch"]
+    table = markdown(result)
+    assert "| stock | 12.1 |" in table and "14 (12.9)" in table and "12 (12.1 ✓)" in table

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from typing import Any
 
 import psutil
@@ -50,7 +51,7 @@ from dynoff.policy.messages import (
 )
 from dynoff.policy.scheduler import page_size_for
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.dynoff.worker")
 
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -183,7 +184,9 @@ class DynamicOffloadMixin:
         max_level = config.policy.resolve_max_level(
             len(layers), probe, psutil.virtual_memory().available
         )
+        started = time.perf_counter()
         placement = WeightPlacement(arena, layers, max_level)
+        placed_s = time.perf_counter() - started
         self._correct_weights_memory(placement)
         if config.layer_bytes is not None and config.layer_bytes > placement.layer_bytes:
             raise ValueError(
@@ -200,12 +203,13 @@ class DynamicOffloadMixin:
         runtime.install(rt)
         logger.info(
             "dynamic offload: %d decoder layers of %.1f MiB packed into VMM (%s backend), "
-            "max level %d, %d layers pinned on the host",
+            "max level %d, %d layers pinned on the host (%.1f s)",
             len(layers),
             placement.layer_bytes / 2**20,
             arena.backend,
             max_level,
             len(packs),
+            placed_s,
         )
         return _State(config, arena, placement, engine, rt)
 

@@ -26,7 +26,7 @@ from dynoff.policy.controller import OffloadController
 from dynoff.policy.geometry import decoder_layer_bytes, recover_plan
 from dynoff.policy.messages import RUNNER_OUTPUT_ATTR, SCHEDULER_OUTPUT_ATTR
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.dynoff.scheduler")
 
 CUDA_PAGE_SIZE = 2 << 20
 

@@ -65,6 +65,18 @@ def pin(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def host_copy(flat: torch.Tensor) -> torch.Tensor:
+    """A page-locked host copy of ``flat``. The pages are faulted in by ATen's intra-op
+    threads (``zero_``) and locked before the copy, so the device-to-host copy runs as DMA
+    into pinned memory instead of through the driver's pageable staging, which faults every
+    page in on one thread (0.98 GB layers, up to 64 of them for Qwen3-32B)."""
+    cpu = torch.empty(flat.numel(), dtype=torch.uint8)
+    cpu.zero_()
+    pin(cpu)
+    cpu.copy_(flat.detach())
+    return cpu
+
+
 class WeightPlacement:
     """Packs ``layers`` into VMM ranges of ``arena`` and changes the depth by remapping."""
 
@@ -90,7 +102,7 @@ class WeightPlacement:
         for pack in self.packs:
             i = pair_index(pack.index, self.num_layers)
             if i is not None and i < max_level:
-                pack.cpu = pin(pack.flat.detach().to("cpu", copy=True))
+                pack.cpu = host_copy(pack.flat)
 
     @property
     def layer_bytes(self) -> int:

@@ -53,6 +53,17 @@ def rig():
     runtime.install(None)
 
 
+def test_host_copies_are_page_locked_and_exact(rig) -> None:
+    *_, placement = rig
+    packs = placement.offloadable()
+    assert len(packs) == N  # max level N/2: every layer has a host copy
+    for pack in packs.values():
+        assert pack.cpu.is_pinned()  # DMA source: the prefetch copies can run async
+        assert pack.cpu.numel() == pack.nbytes
+    first = packs[0]
+    assert torch.equal(first.cpu, first.flat.cpu())  # before any level change
+
+
 def test_replays_at_every_level_match_level_zero(rig) -> None:
     runner, reference, set_level, engine, placement = rig
     for level in [1, 2, 3, 4, 3, 0, 4, 2, 1, 0, 4]:

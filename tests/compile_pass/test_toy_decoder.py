@@ -150,6 +150,14 @@ def test_without_the_copies_outputs_differ() -> None:
         rig.close()
 
 
+def test_host_copies_hold_each_layers_bytes(offloaded: Offloaded) -> None:
+    packs = offloaded.placement.offloadable()
+    assert sorted(packs) == list(range(N))
+    for pack in packs.values():
+        assert pack.cpu is not None and pack.cpu.data_ptr() != pack.flat.data_ptr()
+        assert torch.equal(pack.cpu, pack.flat)  # level 0: every layer is still resident
+
+
 def test_unequal_layers_and_bad_levels_are_refused() -> None:
     arena = VmmArena("host", page_size=PAGE)
     layers = [ToyLayer(64, 128), ToyLayer(64, 128), ToyLayer(64, 256), ToyLayer(64, 128)]

@@ -42,6 +42,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -243,9 +244,7 @@ def rate_salt(rate: float) -> int:
     return round(rate * 1000) + 1
 
 
-def queue_slope(
-    samples: list[tuple[float, int, int]] | list[list[float]], t0: float, t1: float
-) -> float:
+def queue_slope(samples: Sequence[Sequence[float]], t0: float, t1: float) -> float:
     """Least-squares slope (requests/s) of the waiting queue sampled inside [t0, t1)."""
     points = [(s[0], s[1]) for s in samples if t0 <= s[0] < t1]
     if len(points) < 2:
@@ -258,6 +257,11 @@ def queue_slope(
 
 def sustainable(slope: float, rate: float) -> bool:
     return slope < SLOPE_FRACTION * rate
+
+
+def max_sustainable_rate(rates: list[dict[str, Any]]) -> float | None:
+    """The highest achieved rate among the sustainable ones, or None."""
+    return max((r["achieved_rate"] for r in rates if r["sustainable"]), default=None)
 
 
 def summarize(step: Step, everyone: list[Request], args: argparse.Namespace) -> dict[str, Any]:
@@ -327,7 +331,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     startup_s = time.monotonic() - started
     config = engine.vllm_config
-    args.vocab = min(30000, engine.vllm_config.model_config.get_vocab_size())
+    args.vocab = min(30000, config.model_config.get_vocab_size())
     results: dict[str, Any] = {
         "system": args.system,
         "model": args.model,
@@ -384,9 +388,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             last = n == len(args.rates) - 1
             if not args.staircase or last:
                 results["aborted"] += await drain(engine, inflight, tasks, args.grace)
-            entry = summarize(step, everyone, args)
+            # earlier staircase steps' latencies grow as their requests finish: all again
+            rates = measured()
+            entry = rates[-1]
             # a crash or a device time limit later keeps the rates measured so far
-            write_results(args.out, {**results, "rates": measured(), "partial": True})
+            write_results(args.out, {**results, "rates": rates, "partial": True})
             tqdm.write(
                 json.dumps(
                     {
@@ -403,8 +409,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         results["rates"] = measured()
     finally:
         engine.shutdown()
-    sustainable = [r["achieved_rate"] for r in results["rates"] if r["sustainable"]]
-    results["max_sustainable_rate"] = max(sustainable) if sustainable else None
+    results["max_sustainable_rate"] = max_sustainable_rate(results["rates"])
     if args.system in PLUGIN_SYSTEMS:
         results["trace"] = trace_series(trace)
     return results

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_results
-from bench.serving import DEFINITION, SYSTEMS, queue_slope, sustainable
+from bench.serving import DEFINITION, SYSTEMS, max_sustainable_rate, queue_slope, sustainable
 
 ROW_KEYS = (
     "target_rate",
@@ -72,8 +72,7 @@ def load_systems(paths: list[Path]) -> dict[str, dict[str, Any]]:
             merged[key] = run[key]
     for merged in systems.values():
         merged["rates"] = [merged["rates"][r] for r in sorted(merged["rates"])]
-        ok = [r["achieved_rate"] for r in merged["rates"] if r["sustainable"]]
-        merged["max_sustainable_rate"] = max(ok) if ok else None
+        merged["max_sustainable_rate"] = max_sustainable_rate(merged["rates"])
     return systems
 
 

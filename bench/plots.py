@@ -18,7 +18,10 @@ Serving (one file per system, same model, memory and workload):
 * ``<name>_latency.png``: median and P99 TTFT, TBT and E2E against achieved rate;
 * ``<name>_cdf.png``: TTFT and E2E CDFs at one target rate (default: the lowest rate at
   which stock vLLM is not sustainable, i.e. above its saturation);
-* ``<name>_trace.png``: the plugin's level, KV utilisation and waiting queue over time.
+* ``<name>_trace.png``: the plugin's level, KV utilisation and waiting queue over time;
+* ``<name>_batch.png``: step time and running ÷ step time against the running batch, coloured by
+  KV utilisation (``bench.serving_report.batch_bands``): where the second stops rising, more
+  KV would admit more requests without adding throughput.
 """
 
 from __future__ import annotations
@@ -178,7 +181,7 @@ def plot_resize(runs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
 def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    from bench.serving_report import load_systems
+    from bench.serving_report import batch_bands, load_systems
 
     runs = list(load_systems(paths).values())  # rescored, one per system
     written = []
@@ -260,6 +263,27 @@ def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None
         fig.suptitle(f"{name}: the plugin over time")
         fig.tight_layout()
         written.append(out / f"{name}_trace.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+        for run in ours:
+            bands = batch_bands(run["trace"])
+            xs = [b["running_mean"] for b in bands]
+            kv = [b["kv_util"] for b in bands]
+            for ax, key in zip(axes, ("step_ms", "requests_per_s"), strict=True):
+                ys = [b[key] for b in bands]
+                ax.plot(xs, ys, "-", color="lightgray", zorder=1)
+                dots = ax.scatter(xs, ys, c=kv, cmap="viridis", vmin=0, vmax=1, zorder=2)
+        axes[0].set_ylabel("mean step time (ms)")
+        axes[1].set_ylabel("running ÷ step time (1/s)")
+        for ax in axes:
+            ax.set_xlabel("running requests (band mean)")
+            ax.grid(alpha=0.3)
+            ax.set_ylim(bottom=0)
+        fig.colorbar(dots, ax=axes, label="KV utilisation")
+        fig.suptitle(f"{name}: where more KV stops paying ({', '.join(r['system'] for r in ours)})")
+        written.append(out / f"{name}_batch.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
     return written

@@ -7,11 +7,17 @@ and the ratios the README quotes.
 Every rate is scored again from its stored queue samples with the current definition
 (``bench.serving.DEFINITION``), so runs recorded under an older rule are judged by the same
 one. Several files of one system (a sweep split over two calls) are merged by rate.
+
+For a system with the plugin's per-step trace, the report also bins the steps by running batch
+(``batch_bands``): step time, and requests advanced per second (running ÷ step time, close to
+decode tokens per second). Where that figure stops rising as the batch grows, the engine is
+bound by compute, not by KV: more KV blocks admit more requests without adding throughput.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -31,6 +37,39 @@ ROW_KEYS = (
     "e2e_ms",
 )
 OURS = "dynamic"
+BAND = 25  # requests per running-batch band
+MIN_BAND_STEPS = 20  # fewer steps than this are noise, not a band
+
+
+def batch_bands(trace: list[dict[str, Any]], band: int = BAND) -> list[dict[str, Any]]:
+    """The trace's steps binned by running batch: mean step time and throughput per band.
+
+    A step's time is the gap to the next sample, so the last step is left out, and so are
+    idle gaps (no request running)."""
+    bins: dict[int, list[tuple[float, dict[str, Any]]]] = {}
+    for sample, after in itertools.pairwise(trace):
+        if sample["running"] > 0:
+            step_s = after["t"] - sample["t"]
+            bins.setdefault(sample["running"] // band, []).append((step_s, sample))
+    rows = []
+    for key in sorted(bins):
+        steps = bins[key]
+        if len(steps) < MIN_BAND_STEPS:
+            continue
+        step_s = sum(dt for dt, _ in steps) / len(steps)
+        running = sum(s["running"] for _, s in steps) / len(steps)
+        rows.append(
+            {
+                "running": [key * band, (key + 1) * band],
+                "steps": len(steps),
+                "step_ms": round(step_s * 1e3, 2),
+                "running_mean": round(running, 1),
+                "requests_per_s": round(running / step_s),
+                "kv_util": round(sum(s["kv_util"] for _, s in steps) / len(steps), 3),
+                "waiting": round(sum(s["waiting"] for _, s in steps) / len(steps), 1),
+            }
+        )
+    return rows
 
 
 def rescore(entry: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +143,7 @@ def report(systems: dict[str, dict[str, Any]], regime: str) -> dict[str, Any]:
                 "engine": run["engine"],
                 "levels_seen": sorted({r["level"] for r in run["trace"]}) if run["trace"] else None,
                 "kv_util_max": max((r["kv_util"] for r in run["trace"]), default=None),
+                "batch_bands": batch_bands(run["trace"]) if run["trace"] else None,
                 "sources": run["sources"],
                 "rates": [{k: r[k] for k in ROW_KEYS} for r in run["rates"]],
             }
@@ -124,6 +164,21 @@ def markdown(result: dict[str, Any]) -> str:
         )
         top = run["max_sustainable_rate"]
         lines.append(f"| {name} | {top if top is not None else 'none'} | {cells} |")
+    for name, run in result["systems"].items():
+        if not run["batch_bands"]:
+            continue
+        lines += [
+            "",
+            f"{name}, steps by running batch:",
+            "",
+            "| running | steps | step ms | running ÷ step time (/s) | KV util | waiting |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {b['running'][0]}-{b['running'][1]} | {b['steps']} | {b['step_ms']:g} "
+            f"| {b['requests_per_s']} | {b['kv_util']:.2f} | {b['waiting']:g} |"
+            for b in run["batch_bands"]
+        ]
     return "\n".join(lines)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.serving import queue_slope, sustainable
-from bench.serving_report import load_systems, markdown, report
+from bench.serving_report import batch_bands, load_systems, markdown, report
 
 
 def _entry(rate: float, achieved: float, queue_per_s: float) -> dict[str, Any]:
@@ -76,3 +76,21 @@ def test_report_merges_split_sweeps_rescoring_and_ratios(tmp_path: Path) -> None
     assert result["missing_systems"] == ["stock-piecewise", "prefetch"]
     table = markdown(result)
     assert "| stock | 12.1 |" in table and "14 (12.9)" in table and "12 (12.1 ✓)" in table
+
+
+def test_batch_bands_show_where_throughput_stops_rising() -> None:
+    """Steps of 20 ms up to a batch of 100, then time proportional to the batch: the bands'
+    throughput rises, then stays flat however large the batch grows."""
+    trace, t = [], 0.0
+    for running in [0] * 5 + [r for r in range(10, 300, 10) for _ in range(30)]:
+        kv_util = running / 300
+        trace.append({"t": t, "running": running, "kv_util": kv_util, "waiting": 0, "level": 0})
+        t += 0.02 if running <= 100 else 0.0002 * running
+    bands = batch_bands(trace, band=50)
+
+    assert [b["running"] for b in bands][:2] == [[0, 50], [50, 100]]  # idle steps left out
+    assert all(b["steps"] >= 20 for b in bands)
+    assert bands[0]["step_ms"] == 20.0
+    assert bands[0]["requests_per_s"] < bands[1]["requests_per_s"] < bands[2]["requests_per_s"]
+    assert {b["requests_per_s"] for b in bands[3:]} == {5000}  # compute-bound: flat
+    assert abs(bands[-1]["kv_util"] - bands[-1]["running_mean"] / 300) < 0.01

@@ -54,5 +54,5 @@ def test_serving_driver_measures_two_rates_and_plots(tmp_path: Path, sweep: str)
         timeout=300,
     )
     assert plots.returncode == 0, plots.stderr[-2000:]
-    for name in ("serving_latency.png", "serving_cdf.png", "serving_trace.png"):
-        assert (tmp_path / name).stat().st_size > 10_000
+    for stem in ("latency", "cdf", "trace", "batch", "maxrate"):
+        assert (tmp_path / f"serving_{stem}.png").stat().st_size > 10_000

@@ -91,3 +91,17 @@ def test_commands_ride_on_scheduler_output_and_reports_come_back(tmp_path: Path,
     assert scheduler.offload.elastic.invariant_violations() == []
     scheduler.shutdown()
     assert (tmp_path / "trace.jsonl").read_text().count('"kind": "step"') == 2
+
+
+def test_async_scheduling_stays_on(tmp_path: Path) -> None:
+    """vLLM warns about any custom scheduler that async scheduling may be off. Ours keeps
+    AsyncScheduler's bookkeeping: a scheduled decode holds an output placeholder until the
+    step's output comes back, so the next step can be scheduled before it does."""
+    scheduler = build(tmp_path, schedule=[])
+    request = make_request(list(range(16)))
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    assert request.num_output_placeholders == 1
+    finish_step(scheduler, first, StepReport(scheduler.current_step, 0, 5.0, False, 0, 16, ()))
+    assert request.num_output_placeholders == 0
+    scheduler.shutdown()

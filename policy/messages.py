@@ -81,5 +81,12 @@ class StepReport:
     num_prefill_tokens: int = 0
     outcomes: tuple[ResizeOutcome, ...] = ()
 
+    @property
+    def timed(self) -> bool:
+        """The report carries a finished forward. Under async scheduling a report can come
+        before any forward has finished (0 ms, 0 tokens), and a step with nothing scheduled
+        times only vLLM's early return; neither is a step time."""
+        return self.forward_ms > 0 and self.num_decode_tokens + self.num_prefill_tokens > 0
+
     def failed(self, command_id: int) -> list[ResizeOutcome]:
         return [o for o in self.outcomes if o.command_id == command_id and not o.ok]

@@ -139,11 +139,18 @@ def test_model_estimator_runs_in_the_controller(tmp_path) -> None:
 
 def test_untimed_reports_leave_no_forward_in_the_trace(tmp_path) -> None:
     """Under async scheduling a report can come before any forward has finished; it carries
-    no step (0 tokens, 0 ms) and must not read as a 0 ms step to the trace's readers."""
+    no step (0 tokens, 0 ms) and must not read as a 0 ms step to the trace's readers. A step
+    with nothing scheduled has a time but no tokens: not a decode time either. Neither feeds
+    the estimator or replaces the shape the model proxy predicts for."""
     ctl, _ = controller(tmp_path)
     ctl.on_report(StepReport(step=1, level=0, forward_ms=0.0, decode_only=True))
     ctl.on_report(StepReport(2, 0, 12.5, False, num_decode_tokens=3, num_prefill_tokens=40))
+    ctl.on_report(StepReport(3, 0, 0.2, True))  # vLLM's early return: no tokens scheduled
+    assert ctl.estimator.samples(0) == 0  # the timed step had prefill: not a decode sample
+    assert (ctl._shape.num_decode_tokens, ctl._shape.num_prefill_tokens) == (3, 40)
+    ctl.on_report(StepReport(4, 0, 9.0, True, num_decode_tokens=3))
+    assert ctl.estimator.measured(0) == 9.0
     ctl.trace.close()
     lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     forwards = [r for r in lines if r["kind"] == "forward"]
-    assert [(r["step"], r["forward_ms"]) for r in forwards] == [(2, 12.5)]
+    assert [(r["step"], r["forward_ms"]) for r in forwards] == [(2, 12.5), (4, 9.0)]

@@ -82,14 +82,38 @@ def rescore(entry: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def setting(run: dict[str, Any]) -> dict[str, Any]:
+    """What must match for two runs to be compared: model, workload, memory, batch limits."""
+    engine = run.get("engine") or {}
+    return {
+        "model": run["model"],
+        "workload": run["workload"].get("name"),
+        "gpu_memory_utilization": run["gpu_memory_utilization"],
+        "max_num_seqs": engine.get("max_num_seqs", "unrecorded"),
+        "max_num_batched_tokens": engine.get("max_num_batched_tokens", "unrecorded"),
+    }
+
+
 def load_systems(paths: list[Path]) -> dict[str, dict[str, Any]]:
-    """Per system: its runs merged by rate (a later file wins a rate both measured)."""
+    """Per system: its runs merged by rate (a later file wins a rate both measured).
+
+    Every file must come from the same setting (:func:`setting`); a mix would put, say,
+    runs under the engine's 128-request cap next to runs under ``vllm serve``'s limits."""
     systems: dict[str, dict[str, Any]] = {}
+    first: tuple[Path, dict[str, Any]] | None = None
     for path in paths:
         run = json.loads(path.read_text())
         name = run["system"]
         if name not in SYSTEMS:
             raise SystemExit(f"{path}: unknown system {name!r}")
+        if first is None:
+            first = (path, setting(run))
+        elif setting(run) != first[1]:
+            diff = {k: (v, setting(run)[k]) for k, v in first[1].items() if setting(run)[k] != v}
+            raise SystemExit(
+                f"{path} was measured in another setting than {first[0]}: "
+                + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in diff.items())
+            )
         merged = systems.setdefault(
             name, {"system": name, "rates": {}, "sources": [], "trace": [], "engine": None}
         )

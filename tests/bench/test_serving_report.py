@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.serving import queue_slope, sustainable
 from bench.serving_report import batch_bands, load_systems, markdown, report
 
@@ -94,3 +96,17 @@ def test_batch_bands_show_where_throughput_stops_rising() -> None:
     assert bands[0]["requests_per_s"] < bands[1]["requests_per_s"] < bands[2]["requests_per_s"]
     assert {b["requests_per_s"] for b in bands[3:]} == {5000}  # compute-bound: flat
     assert abs(bands[-1]["kv_util"] - bands[-1]["running_mean"] / 300) < 0.01
+
+
+def test_report_refuses_runs_from_another_setting(tmp_path: Path) -> None:
+    stock = _write(tmp_path, "a.json", "stock", [_entry(12, 12.0, 0.0)])
+    other = _write(tmp_path, "b.json", "dynamic", [_entry(12, 12.0, 0.0)])
+    run = json.loads(other.read_text())
+    run["engine"] = {"max_num_seqs": 1024, "max_num_batched_tokens": 8192}
+    other.write_text(json.dumps(run))
+    with pytest.raises(SystemExit, match=r"b.json .*max_num_seqs 'unrecorded' vs 1024"):
+        load_systems([stock, other])
+    run["gpu_memory_utilization"] = 0.9
+    other.write_text(json.dumps(run))
+    with pytest.raises(SystemExit, match=r"gpu_memory_utilization 0\.62 vs 0\.9"):
+        load_systems([stock, other])

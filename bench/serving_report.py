@@ -106,13 +106,13 @@ def load_systems(paths: list[Path]) -> dict[str, dict[str, Any]]:
         name = run["system"]
         if name not in SYSTEMS:
             raise SystemExit(f"{path}: unknown system {name!r}")
+        here = setting(run)
         if first is None:
-            first = (path, setting(run))
-        elif setting(run) != first[1]:
-            diff = {k: (v, setting(run)[k]) for k, v in first[1].items() if setting(run)[k] != v}
+            first = (path, here)
+        elif here != first[1]:
+            diff = [f"{k} {v!r} vs {here[k]!r}" for k, v in first[1].items() if here[k] != v]
             raise SystemExit(
-                f"{path} was measured in another setting than {first[0]}: "
-                + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in diff.items())
+                f"{path} was measured in another setting than {first[0]}: " + ", ".join(diff)
             )
         merged = systems.setdefault(
             name, {"system": name, "rates": {}, "sources": [], "trace": [], "engine": None}

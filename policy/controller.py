@@ -100,8 +100,6 @@ class OffloadController:
     def on_report(self, report: StepReport) -> None:
         if report.timed:
             shape = StepShape(report.num_decode_tokens, report.num_prefill_tokens)
-            if report.decode_only != shape.decode_only:
-                shape = StepShape(max(shape.num_decode_tokens, 1), 0 if report.decode_only else 1)
             self._shape = shape
             self.estimator.observe(report.level, report.forward_ms, shape)
             self.trace.forward(

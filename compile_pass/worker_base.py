@@ -319,7 +319,6 @@ class DynamicOffloadMixin:
             timed.step,
             timed.level,
             timed.forward_ms,
-            timed.prefill_tokens == 0,
             timed.decode_tokens,
             timed.prefill_tokens,
             tuple(outcomes),

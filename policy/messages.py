@@ -68,15 +68,14 @@ class StepReport:
         step: scheduler step this forward belonged to.
         level: the offload depth the forward ran at.
         forward_ms: forward time (CUDA events on GPU, host timer on CPU).
-        decode_only: no prefill token in the step (the policy's latency filter).
-        num_decode_tokens / num_prefill_tokens: the step's composition.
+        num_decode_tokens / num_prefill_tokens: the step's composition (the policy's latency
+            filter keeps steps without prefill tokens).
         outcomes: resize results, one per rank per command applied.
     """
 
     step: int
     level: int
     forward_ms: float
-    decode_only: bool
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
     outcomes: tuple[ResizeOutcome, ...] = ()

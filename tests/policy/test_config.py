@@ -79,7 +79,7 @@ def test_messages_survive_pickling() -> None:
     from dynoff.policy.messages import OffloadCommand, ResizeOutcome, StepReport
 
     command = OffloadCommand(3, 10, 2, map_groups=(4, 5), safe_after_step=9)
-    report = StepReport(10, 2, 12.5, True, 8, 0, (ResizeOutcome(3, 1, False, "boom"),))
+    report = StepReport(10, 2, 12.5, 8, 0, (ResizeOutcome(3, 1, False, "boom"),))
     assert pickle.loads(pickle.dumps(command)) == command
     assert pickle.loads(pickle.dumps(report)).failed(3)[0].error == "boom"
 

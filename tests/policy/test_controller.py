@@ -37,7 +37,6 @@ def ack(command: OffloadCommand, ok: bool = True, rank: int = 0, level: int = 0)
         step=command.step,
         level=level,
         forward_ms=10.0,
-        decode_only=True,
         num_decode_tokens=4,
         outcomes=(outcome,),
     )
@@ -130,7 +129,7 @@ def test_model_estimator_runs_in_the_controller(tmp_path) -> None:
     ctl = OffloadController(
         config, plan, layout, manager.block_pool, num_layers=8, layer_bytes=LAYER_BYTES
     )
-    ctl.on_report(StepReport(0, 0, 10.0, True, 4))
+    ctl.on_report(StepReport(0, 0, 10.0, 4))
     assert ctl.estimator.model is not None  # calibrated from the level-0 step
     assert ctl.estimator.model.h2d_bytes_per_s == 55e9
     command = ctl.on_schedule_start(1, waiting=2, running=4)
@@ -143,12 +142,12 @@ def test_untimed_reports_leave_no_forward_in_the_trace(tmp_path) -> None:
     with nothing scheduled has a time but no tokens: not a decode time either. Neither feeds
     the estimator or replaces the shape the model proxy predicts for."""
     ctl, _ = controller(tmp_path)
-    ctl.on_report(StepReport(step=1, level=0, forward_ms=0.0, decode_only=True))
-    ctl.on_report(StepReport(2, 0, 12.5, False, num_decode_tokens=3, num_prefill_tokens=40))
-    ctl.on_report(StepReport(3, 0, 0.2, True))  # vLLM's early return: no tokens scheduled
+    ctl.on_report(StepReport(step=1, level=0, forward_ms=0.0))
+    ctl.on_report(StepReport(2, 0, 12.5, num_decode_tokens=3, num_prefill_tokens=40))
+    ctl.on_report(StepReport(3, 0, 0.2))  # vLLM's early return: no tokens scheduled
     assert ctl.estimator.samples(0) == 0  # the timed step had prefill: not a decode sample
     assert (ctl._shape.num_decode_tokens, ctl._shape.num_prefill_tokens) == (3, 40)
-    ctl.on_report(StepReport(4, 0, 9.0, True, num_decode_tokens=3))
+    ctl.on_report(StepReport(4, 0, 9.0, num_decode_tokens=3))
     assert ctl.estimator.measured(0) == 9.0
     ctl.trace.close()
     lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]

@@ -76,9 +76,7 @@ def test_commands_ride_on_scheduler_output_and_reports_come_back(tmp_path: Path,
     command = first.dynamic_offload  # type: ignore[attr-defined]
     assert command is not None and command.target_level == 1 and command.map_groups
     outcome = ResizeOutcome(command.command_id, 0, ok, "" if ok else "injected")
-    finish_step(
-        scheduler, first, StepReport(command.step, 1 if ok else 0, 5.0, False, 0, 40, (outcome,))
-    )
+    finish_step(scheduler, first, StepReport(command.step, 1 if ok else 0, 5.0, 0, 40, (outcome,)))
     assert scheduler.offload.level == (1 if ok else 0)
     assert pool.num_gpu_blocks == (96 if ok else 64)
     second = scheduler.schedule()
@@ -102,6 +100,6 @@ def test_async_scheduling_stays_on(tmp_path: Path) -> None:
     scheduler.add_request(request)
     first = scheduler.schedule()
     assert request.num_output_placeholders == 1
-    finish_step(scheduler, first, StepReport(scheduler.current_step, 0, 5.0, False, 0, 16, ()))
+    finish_step(scheduler, first, StepReport(scheduler.current_step, 0, 5.0, 0, 16, ()))
     assert request.num_output_placeholders == 0
     scheduler.shutdown()

@@ -181,19 +181,24 @@ def plot_resize(runs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
 def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    from bench.serving_report import batch_bands, load_systems
+    from bench.serving_report import batch_bands, knee_reached, load_systems
 
     runs = list(load_systems(paths).values())  # rescored, one per system
     written = []
     fig, ax = plt.subplots(figsize=(7, 3.2))
     names = [run["system"] for run in runs]
     tops = [run["max_sustainable_rate"] or 0.0 for run in runs]
+    exact = [knee_reached(run["rates"]) for run in runs]
     bars = ax.barh(
-        names, tops, color=["tab:green" if n == "dynamic" else "tab:gray" for n in names]
+        names,
+        tops,
+        color=["tab:green" if n == "dynamic" else "tab:gray" for n in names],
+        hatch=["" if e else "//" for e in exact],
     )
-    ax.bar_label(bars, fmt="%.2f", padding=3)
+    bar_labels = [f"{t:.2f}" if e else f"≥ {t:.2f}" for t, e in zip(tops, exact, strict=True)]
+    ax.bar_label(bars, labels=bar_labels, padding=3)
     ax.invert_yaxis()
-    ax.set_xlabel("max sustainable rate (req/s)")
+    ax.set_xlabel("max sustainable rate (req/s); ≥, hatched: every offered rate sustained")
     ax.set_xlim(0, max([*tops, 1.0]) * 1.2)
     fig.suptitle(f"{name}: max sustainable rate")
     fig.tight_layout()
@@ -267,14 +272,27 @@ def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None
         plt.close(fig)
 
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
-        for run in ours:
+        for run, marker in zip(ours, "os^vD", strict=False):
             bands = batch_bands(run["trace"])
             xs = [b["running_mean"] for b in bands]
             kv = [b["kv_util"] for b in bands]
             for ax, key in zip(axes, ("step_ms", "requests_per_s"), strict=True):
                 ys = [b[key] for b in bands]
                 ax.plot(xs, ys, "-", color="lightgray", zorder=1)
-                dots = ax.scatter(xs, ys, c=kv, cmap="viridis", vmin=0, vmax=1, zorder=2)
+                dots = ax.scatter(
+                    xs,
+                    ys,
+                    c=kv,
+                    cmap="viridis",
+                    vmin=0,
+                    vmax=1,
+                    marker=marker,
+                    zorder=2,
+                    edgecolors="black",
+                    linewidths=0.4,
+                    label=run["system"],
+                )
+        axes[0].legend(fontsize=8)
         axes[0].set_ylabel("mean step time (ms)")
         axes[1].set_ylabel("running ÷ step time (1/s)")
         for ax in axes:

@@ -37,6 +37,13 @@ ROW_KEYS = (
     "e2e_ms",
 )
 OURS = "dynamic"
+# the systems ours is compared with: ratio key -> system name
+BASELINES = {
+    "stock": "stock",
+    "static": "static",
+    "stock_piecewise": "stock-piecewise",
+    "prefetch": "prefetch",
+}
 BAND = 25  # requests per running-batch band
 MIN_BAND_STEPS = 20  # fewer steps than this are noise, not a band
 
@@ -139,12 +146,37 @@ def load_systems(paths: list[Path]) -> dict[str, dict[str, Any]]:
     return systems
 
 
+def knee_reached(rates: list[dict[str, Any]]) -> bool:
+    """Whether the sweep offered a rate it could not sustain above its best sustainable one.
+
+    If not, the system sustained every rate offered, and its maximum sustainable rate is
+    only a lower bound: the sweep stopped short of its knee."""
+    best = max(
+        (r for r in rates if r["sustainable"]), key=lambda r: r["achieved_rate"], default=None
+    )
+    if best is None:
+        return True
+    return any(not r["sustainable"] and r["target_rate"] > best["target_rate"] for r in rates)
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
+def _bound(ours_exact: bool, theirs_exact: bool) -> str:
+    """What ours ÷ theirs is when either maximum is only a lower bound."""
+    if ours_exact and theirs_exact:
+        return "exact"
+    if ours_exact:
+        return "upper bound"  # their maximum can only be higher
+    if theirs_exact:
+        return "lower bound"
+    return "unbounded"
+
+
 def report(systems: dict[str, dict[str, Any]], regime: str) -> dict[str, Any]:
     top = {name: run["max_sustainable_rate"] for name, run in systems.items()}
+    exact = {name: knee_reached(run["rates"]) for name, run in systems.items()}
     first = next(iter(systems.values()))
     ours = top.get(OURS)
     return {
@@ -155,15 +187,19 @@ def report(systems: dict[str, dict[str, Any]], regime: str) -> dict[str, Any]:
         "definition": DEFINITION,
         "max_sustainable_rate": top,
         "ratios": {
-            "dynamic_over_stock": _ratio(ours, top.get("stock")),
-            "dynamic_over_static": _ratio(ours, top.get("static")),
-            "dynamic_over_stock_piecewise": _ratio(ours, top.get("stock-piecewise")),
-            "dynamic_over_prefetch": _ratio(ours, top.get("prefetch")),
+            f"dynamic_over_{key}": _ratio(ours, top.get(name)) for key, name in BASELINES.items()
         },
+        "ratio_bounds": {
+            f"dynamic_over_{key}": _bound(exact[OURS], exact[name])
+            for key, name in BASELINES.items()
+            if top.get(OURS) is not None and top.get(name) is not None
+        },
+        "lower_bounds": [name for name, ok in exact.items() if not ok],
         "missing_systems": [s for s in SYSTEMS if s not in systems],
         "systems": {
             name: {
                 "max_sustainable_rate": run["max_sustainable_rate"],
+                "knee_reached": exact[name],
                 "engine": run["engine"],
                 "levels_seen": sorted({r["level"] for r in run["trace"]}) if run["trace"] else None,
                 "kv_util_max": max((r["kv_util"] for r in run["trace"]), default=None),
@@ -187,7 +223,8 @@ def markdown(result: dict[str, Any]) -> str:
             for r in run["rates"]
         )
         top = run["max_sustainable_rate"]
-        lines.append(f"| {name} | {top if top is not None else 'none'} | {cells} |")
+        shown = "none" if top is None else f"{top}" if run["knee_reached"] else f"≥ {top}"
+        lines.append(f"| {name} | {shown} | {cells} |")
     for name, run in result["systems"].items():
         if not run["batch_bands"]:
             continue
@@ -215,7 +252,7 @@ def main() -> None:
     result = report(load_systems(args.results), args.regime)
     write_results(args.out, result)
     print(markdown(result))
-    print(json.dumps(result["ratios"]))
+    print(json.dumps({"ratios": result["ratios"], "ratio_bounds": result["ratio_bounds"]}))
 
 
 if __name__ == "__main__":

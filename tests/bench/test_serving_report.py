@@ -78,6 +78,36 @@ def test_report_merges_split_sweeps_rescoring_and_ratios(tmp_path: Path) -> None
     assert result["missing_systems"] == ["stock-piecewise", "prefetch"]
     table = markdown(result)
     assert "| stock | 12.1 |" in table and "14 (12.9)" in table and "12 (12.1 ✓)" in table
+    # dynamic sustained both rates it was offered: its maximum is only a lower bound
+    assert result["lower_bounds"] == ["dynamic"]
+    assert "| dynamic | ≥ 13.8 |" in table
+    assert result["ratio_bounds"] == {
+        "dynamic_over_stock": "lower bound",
+        "dynamic_over_static": "lower bound",
+    }
+
+
+def test_a_sweep_that_stops_short_of_its_knee_bounds_the_ratios(tmp_path: Path) -> None:
+    """A baseline that sustained every rate offered makes ours ÷ it an upper bound."""
+    stock = _write(tmp_path, "a.json", "stock", [_entry(12, 12.0, 0.0), _entry(14, 13.0, 1.0)])
+    dynamic = _write(tmp_path, "b.json", "dynamic", [_entry(12, 12.1, 0.0), _entry(14, 13.1, 1.0)])
+    # sustained 12 and 14; an unsustainable *lower* rate (noise) does not make 14 a knee
+    static = _write(
+        tmp_path,
+        "c.json",
+        "static",
+        [_entry(8, 7.5, 1.0), _entry(12, 11.9, 0.0), _entry(14, 13.5, 0.0)],
+    )
+    result = report(load_systems([stock, dynamic, static]), "b")
+    assert (
+        result["systems"]["stock"]["knee_reached"] and result["systems"]["dynamic"]["knee_reached"]
+    )
+    assert not result["systems"]["static"]["knee_reached"]
+    assert result["ratio_bounds"] == {
+        "dynamic_over_stock": "exact",
+        "dynamic_over_static": "upper bound",
+    }
+    assert result["ratios"]["dynamic_over_static"] == round(12.1 / 13.5, 3)
 
 
 def test_batch_bands_show_where_throughput_stops_rising() -> None:

@@ -26,7 +26,7 @@ from vllm.v1.core.block_pool import BlockPool
 from dynoff.policy.algorithm import OffloadPolicy, Pressure
 from dynoff.policy.block_pool import CapacityPlan, ElasticBlockPool, KVLayout
 from dynoff.policy.config import DynamicOffloadConfig
-from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepShape
+from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepCost, StepShape
 from dynoff.policy.messages import OffloadCommand, ResizeOutcome, StepReport
 from dynoff.policy.trace import TraceWriter, trace_range
 
@@ -54,13 +54,12 @@ class OffloadController:
         calibrate = None
         if num_layers is not None and layer_bytes is not None:
 
-            def calibrate(k0_ms: float, shape: StepShape) -> OffloadCostModel:
-                del shape  # the calibration splits the measured step evenly over layers
-                return OffloadCostModel.from_k0_step(
+            def calibrate(cost: StepCost) -> OffloadCostModel:
+                return OffloadCostModel.from_step_cost(
                     num_layers,
                     layer_bytes,
                     config.h2d_GBps * 1e9,
-                    k0_ms,
+                    cost,
                     piecewise_penalty_ms=config.piecewise_penalty_ms,
                 )
 

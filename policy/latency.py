@@ -51,6 +51,98 @@ class StepShape:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepCost:
+    """A level-0 step's time as a function of its composition:
+    ``intercept_ms + ms_per_decode_token · n_decode + ms_per_prefill_token · n_prefill``."""
+
+    intercept_ms: float
+    ms_per_decode_token: float = 0.0
+    ms_per_prefill_token: float = 0.0
+
+    def step_ms(self, shape: StepShape) -> float:
+        return (
+            self.intercept_ms
+            + self.ms_per_decode_token * shape.num_decode_tokens
+            + self.ms_per_prefill_token * shape.num_prefill_tokens
+        )
+
+
+class StepTimeFit:
+    """Least-squares fit of measured level-0 step times to the step's composition.
+
+    Keeps the sums of the normal equations only, so an observation costs O(1). :meth:`solve`
+    tries the intercept with both token counts, with one, and alone, and keeps the candidate
+    with the smallest residual whose slopes are not negative and whose system is not
+    singular (steps of one shape, or ``n_decode + n_prefill`` always equal to the token
+    budget, leave a count's slope undetermined: it is dropped, not guessed).
+    """
+
+    _CANDIDATES = ((0, 1, 2), (0, 1), (0, 2), (0,))
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._xtx = [[0.0] * 3 for _ in range(3)]
+        self._xty = [0.0] * 3
+        self._yty = 0.0
+
+    def observe(self, shape: StepShape, ms: float) -> None:
+        x = (1.0, float(shape.num_decode_tokens), float(shape.num_prefill_tokens))
+        for i in range(3):
+            self._xty[i] += x[i] * ms
+            for j in range(3):
+                self._xtx[i][j] += x[i] * x[j]
+        self._yty += ms * ms
+        self.count += 1
+
+    def solve(self) -> StepCost | None:
+        best: tuple[float, list[float]] | None = None
+        for columns in self._CANDIDATES:
+            beta = _solve(
+                [[self._xtx[i][j] for j in columns] for i in columns],
+                [self._xty[i] for i in columns],
+            )
+            if beta is None or any(b < 0 for b in beta[1:]):
+                continue
+            # residual sum of squares: y'y - 2 b'X'y + b'X'X b
+            fitted = sum(b * self._xty[i] for b, i in zip(beta, columns, strict=True))
+            quad = sum(
+                beta[a] * beta[b] * self._xtx[i][j]
+                for a, i in enumerate(columns)
+                for b, j in enumerate(columns)
+            )
+            rss = self._yty - 2 * fitted + quad
+            if best is None or rss < best[0] - 1e-9 * abs(self._yty):
+                coef = [0.0, 0.0, 0.0]
+                for b, i in zip(beta, columns, strict=True):
+                    coef[i] = b
+                best = (rss, coef)
+        if best is None:
+            return None
+        intercept, per_decode, per_prefill = best[1]
+        return StepCost(max(intercept, 0.0), per_decode, per_prefill)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when ``a`` is (near) singular."""
+    n = len(b)
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    scale = max(abs(v) for row in a for v in row) or 1.0
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-10 * scale:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
 class OffloadCostModel:
     """Step time at each offload depth from per-layer compute and link bandwidth.
 
@@ -132,14 +224,38 @@ class OffloadCostModel:
         overhead_fraction: float = 0.05,
         piecewise_penalty_ms: float = 0.0,
     ) -> OffloadCostModel:
-        """Calibrate from a measured level-0 decode step: ``overhead_fraction`` of it is
+        """Calibrate from one measured level-0 decode step: ``overhead_fraction`` of it is
         outside the layers, the rest splits evenly over the N layers."""
+        return cls.from_step_cost(
+            num_layers,
+            layer_bytes,
+            h2d_bytes_per_s,
+            StepCost(k0_step_ms),
+            overhead_fraction,
+            piecewise_penalty_ms,
+        )
+
+    @classmethod
+    def from_step_cost(
+        cls,
+        num_layers: int,
+        layer_bytes: int,
+        h2d_bytes_per_s: float,
+        cost: StepCost,
+        overhead_fraction: float = 0.05,
+        piecewise_penalty_ms: float = 0.0,
+    ) -> OffloadCostModel:
+        """Calibrate from a fitted level-0 step cost: ``overhead_fraction`` of the intercept
+        is outside the layers; the rest, and every per-token cost, splits evenly over the N
+        layers (a bigger batch lengthens every layer, which is what hides the copies)."""
         return cls(
             num_layers,
             layer_bytes,
             h2d_bytes_per_s,
-            layer_ms_base=k0_step_ms * (1 - overhead_fraction) / num_layers,
-            overhead_ms=k0_step_ms * overhead_fraction,
+            layer_ms_base=cost.intercept_ms * (1 - overhead_fraction) / num_layers,
+            layer_ms_per_decode_token=cost.ms_per_decode_token / num_layers,
+            layer_ms_per_prefill_token=cost.ms_per_prefill_token / num_layers,
+            overhead_ms=cost.intercept_ms * overhead_fraction,
             piecewise_penalty_ms=piecewise_penalty_ms,
         )
 
@@ -154,15 +270,22 @@ class OffloadCostModel:
 class LatencyEstimator:
     """Per-level L_k: measured decode-only averages, or the model refined by measurements.
 
-    The model's refinement is one ratio, the mean of measured/predicted over every
-    decode-only step seen, applied to levels not yet measured ``min_samples`` times.
+    With a ``calibrate`` callback (the controller's) and no model up front, the model is
+    built from a :class:`StepTimeFit` of every timed level-0 step, decode and prefill alike,
+    once ``min_samples`` are in, and rebuilt every ``REFIT_EVERY`` level-0 steps: the layer
+    time then grows with the batch as measured, so the model sees the copies hide behind a
+    long step. Each level's refinement is the mean of measured / predicted over its own
+    steps once it has ``min_samples``; a level with fewer borrows the mean of the offloading
+    levels measured so far (or, before any, level 0's).
     """
+
+    REFIT_EVERY = 16
 
     def __init__(
         self,
         config: PolicyConfig,
         model: OffloadCostModel | None = None,
-        calibrate: Callable[[float, StepShape], OffloadCostModel] | None = None,
+        calibrate: Callable[[StepCost], OffloadCostModel] | None = None,
     ) -> None:
         if config.estimator == "model" and model is None and calibrate is None:
             raise ValueError(
@@ -171,27 +294,43 @@ class LatencyEstimator:
             )
         self.config = config
         self.model = model
-        self._calibrate = calibrate
+        self._calibrate = calibrate if model is None else None
+        self.fit = StepTimeFit()
         self._sum: dict[int, float] = defaultdict(float)
         self._count: dict[int, int] = defaultdict(int)
-        self._ratio_sum = 0.0
-        self._ratio_count = 0
+        self._ratio_sum: dict[int, float] = defaultdict(float)
+        self._ratio_count: dict[int, int] = defaultdict(int)
         self._last_decode_shape = StepShape(num_decode_tokens=1)
 
     def observe(self, level: int, forward_ms: float, shape: StepShape) -> None:
-        """Record one step; steps with prefill are filtered out of the decode averages."""
-        if not shape.decode_only or forward_ms <= 0:
-            return
-        self._sum[level] += forward_ms
-        self._count[level] += 1
-        self._last_decode_shape = shape
-        if self.model is None and self._calibrate is not None and level == 0:
-            if self._count[0] >= self.config.min_samples:
-                self.model = self._calibrate(self._sum[0] / self._count[0], shape)
+        """Record one timed step. Decode-only steps feed the per-level averages; every step
+        feeds the model's refinement, and level-0 steps its fit."""
+        if forward_ms <= 0:
             return
         if self.model is not None:
-            self._ratio_sum += forward_ms / self.model.step_ms(level, shape)
-            self._ratio_count += 1
+            self._ratio_sum[level] += forward_ms / self.model.step_ms(level, shape)
+            self._ratio_count[level] += 1
+        if level == 0 and self._calibrate is not None:
+            self.fit.observe(shape, forward_ms)
+            n = self.fit.count
+            if n == self.config.min_samples or (
+                n > self.config.min_samples and n % self.REFIT_EVERY == 0
+            ):
+                self._refit()
+        if shape.decode_only:
+            self._sum[level] += forward_ms
+            self._count[level] += 1
+            self._last_decode_shape = shape
+
+    def _refit(self) -> None:
+        assert self._calibrate is not None
+        cost = self.fit.solve()
+        if cost is None:
+            return
+        self.model = self._calibrate(cost)
+        # Ratios against the old model no longer describe the new one.
+        self._ratio_sum.clear()
+        self._ratio_count.clear()
 
     def samples(self, level: int) -> int:
         return self._count[level]
@@ -201,23 +340,34 @@ class LatencyEstimator:
         n = self._count[level]
         return self._sum[level] / n if n else None
 
+    def ratio(self, level: int) -> float:
+        """Measured / predicted for ``level``: its own once it has ``min_samples`` steps,
+        else the offloading levels' pooled, else level 0's, else 1."""
+        if self._ratio_count[level] >= self.config.min_samples:
+            return self._ratio_sum[level] / self._ratio_count[level]
+        for levels in ([k for k in self._ratio_count if k > 0], [0]):
+            count = sum(self._ratio_count[k] for k in levels)
+            if count:
+                return sum(self._ratio_sum[k] for k in levels) / count
+        return 1.0
+
     def predicted(self, level: int, shape: StepShape | None = None) -> float | None:
         """The model's L_k for ``shape`` (default: the last decode step's), refined."""
         if self.model is None:
             return None
-        ratio = self._ratio_sum / self._ratio_count if self._ratio_count else 1.0
-        return self.model.step_ms(level, shape or self._last_decode_shape) * ratio
+        return self.model.step_ms(level, shape or self._last_decode_shape) * self.ratio(level)
 
     def estimate(self, level: int, shape: StepShape | None = None) -> float | None:
         """L_k as the configured estimator sees it (ms), or None when unknown.
 
-        ``measured``: the decode-only mean. ``model``: the measured mean once a level has
-        ``min_samples`` decode steps and ``shape`` is a decode step, else the refined model.
+        ``measured``: the decode-only mean. ``model``: for a given ``shape`` (the model
+        proxy), the refined model for that shape at every level, so that levels are
+        compared on one step; without one (the decode proxy), the decode-only mean once the
+        level has ``min_samples`` steps, else the refined model.
         """
         if self.config.estimator == "measured":
             return self.measured(level)
-        decode = shape is None or shape.decode_only
-        if decode and self._count[level] >= self.config.min_samples:
+        if shape is None and self._count[level] >= self.config.min_samples:
             return self.measured(level)
         return self.predicted(level, shape)
 

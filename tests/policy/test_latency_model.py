@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import pytest
 
+from dynoff.policy.algorithm import OffloadPolicy, Pressure
 from dynoff.policy.config import PolicyConfig
-from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepShape
+from dynoff.policy.latency import (
+    LatencyEstimator,
+    OffloadCostModel,
+    StepCost,
+    StepShape,
+    StepTimeFit,
+)
 
 N, B, T, OVERHEAD = 64, 975_000_000, 0.45, 1.0
 DECODE = StepShape(num_decode_tokens=128)
@@ -81,8 +88,8 @@ def test_estimator_refines_the_model_with_measurements() -> None:
 def test_model_estimator_calibrates_itself_from_level_zero() -> None:
     # No model up front: the estimator builds one from measured level-0 decode steps, then
     # predicts level 1 on PCIe as copy-bound (2t + 2x), before level 1 was ever measured.
-    def calibrate(k0_ms: float, shape: StepShape) -> OffloadCostModel:
-        return OffloadCostModel.from_k0_step(N, B, 55e9, k0_ms, overhead_fraction=OVERHEAD / 29.8)
+    def calibrate(cost: StepCost) -> OffloadCostModel:
+        return OffloadCostModel.from_step_cost(N, B, 55e9, cost, overhead_fraction=OVERHEAD / 29.8)
 
     estimator = LatencyEstimator(
         PolicyConfig(estimator="model", min_samples=2), calibrate=calibrate
@@ -93,3 +100,79 @@ def test_model_estimator_calibrates_itself_from_level_zero() -> None:
     x = B / 55e9 * 1e3
     assert estimator.estimate(0) == pytest.approx(N * T + OVERHEAD)
     assert estimator.estimate(1) == pytest.approx(2 * T + 2 * x, rel=0.05)
+
+
+def test_step_time_fit_recovers_the_cost_of_each_token() -> None:
+    """Steps of mixed composition: the fit finds intercept and per-token costs."""
+    truth = StepCost(12.0, ms_per_decode_token=0.15, ms_per_prefill_token=0.1)
+    fit = StepTimeFit()
+    assert fit.solve() is None  # nothing observed
+    for decode, prefill in [(16, 0), (64, 0), (200, 0), (8, 4096), (100, 2048), (32, 8160)]:
+        shape = StepShape(decode, prefill)
+        fit.observe(shape, truth.step_ms(shape))
+    cost = fit.solve()
+    assert cost is not None
+    assert cost.intercept_ms == pytest.approx(12.0, rel=1e-6)
+    assert cost.ms_per_decode_token == pytest.approx(0.15, rel=1e-6)
+    assert cost.ms_per_prefill_token == pytest.approx(0.1, rel=1e-6)
+
+
+def test_step_time_fit_drops_what_the_steps_cannot_tell_apart() -> None:
+    # Decode-only steps of one size: only the mean is known, no slope is invented.
+    fit = StepTimeFit()
+    for ms in (20.0, 22.0):
+        fit.observe(StepShape(64), ms)
+    assert fit.solve() == StepCost(21.0)
+    # Every step fills the 8,192-token budget (n_decode + n_prefill constant): the two
+    # counts are collinear with the intercept, so one of them is dropped, and the fit is
+    # still exact on such steps.
+    fit = StepTimeFit()
+    for decode in (0, 100, 200, 300):
+        shape = StepShape(decode, 8192 - decode)
+        fit.observe(shape, 800.0 + 0.05 * decode)
+    cost = fit.solve()
+    assert cost is not None
+    assert cost.step_ms(StepShape(150, 8042)) == pytest.approx(807.5, rel=1e-6)
+    # A negative slope (here: noise making bigger batches faster) is not kept.
+    fit = StepTimeFit()
+    for decode, ms in [(10, 30.0), (20, 29.0), (30, 28.0)]:
+        fit.observe(StepShape(decode), ms)
+    assert fit.solve() == pytest.approx(StepCost(29.0))
+
+
+def test_fitted_model_sees_the_copies_hide_behind_a_big_batch() -> None:
+    """The H200 run (regime b, ShareGPT): k = 0 decode steps take ~22 ms at 25 requests and
+    ~45 ms at 210, and at k = 1 two 17.7 ms copies a step hide once the step is that long
+    (static k = 1 measured 46.4 ms at 200-225 running). A model calibrated from one mean
+    step predicted the small-batch +74% at every batch; the fitted one does not."""
+
+    def calibrate(cost: StepCost) -> OffloadCostModel:
+        return OffloadCostModel.from_step_cost(N, B, 55e9, cost)
+
+    estimator = LatencyEstimator(
+        PolicyConfig(estimator="model", proxy="model", min_samples=3), calibrate=calibrate
+    )
+    k0 = StepCost(17.0, ms_per_decode_token=0.13)  # 20.3 ms at 25 running, 44.3 at 210
+    for running in [25, 50, 100, 150, 210, 250] * 3:
+        estimator.observe(0, k0.step_ms(StepShape(running)), StepShape(running))
+    small, big = StepShape(25), StepShape(210)
+    assert estimator.estimate(0, small) == pytest.approx(k0.step_ms(small), rel=0.01)
+    assert estimator.estimate(0, big) == pytest.approx(k0.step_ms(big), rel=0.01)
+    # small batch: copy-bound, L_1 = 2t + 2x, ~+75%
+    assert estimator.estimate(1, small) / estimator.estimate(0, small) > 1.6
+    # big batch: the copies hide
+    assert estimator.estimate(1, big) == pytest.approx(estimator.estimate(0, big), rel=0.01)
+    # Algorithm 1 with the model proxy, under pressure, with the H200 run's capacities
+    # (5,568 blocks at k = 0, +224 per level): hold on a small batch, climb on a big one.
+    policy = OffloadPolicy(
+        estimator.config,
+        max_level=4,
+        capacity_blocks=lambda k: 5568 + 224 * k,
+        estimator=estimator,
+    )
+    assert policy.decide(Pressure(waiting=8, kv_utilization=0.95, shape=small)).level == 0
+    assert policy.decide(Pressure(waiting=8, kv_utilization=0.95, shape=big)).level == 1
+    # A level's own measurements take over from the borrowed refinement.
+    for _ in range(3):
+        estimator.observe(1, 1.04 * estimator.model.step_ms(1, big), big)
+    assert estimator.estimate(1, big) == pytest.approx(1.04 * k0.step_ms(big), rel=0.01)

@@ -209,6 +209,11 @@ class OffloadController:
 
     def _record(self, step: int, waiting: int, running: int) -> None:
         pool = self.elastic.pool
+        latency: dict[str, float | None] = {}
+        if self.trace.enabled:  # the two levels the policy weighs, priced as it prices them
+            shape = self._shape if self.config.policy.proxy == "model" else None
+            levels = range(self.level, min(self.level + 1, self.plan.max_level) + 1)
+            latency = self.estimator.snapshot(levels, shape)
         self.trace.step(
             step=step,
             level=self.level,
@@ -220,5 +225,5 @@ class OffloadController:
             draining=list(self.elastic.drain_targets),
             inflight=self.inflight.command_id if self.inflight else None,
             decision=self._decision,
-            latency_ms=self.estimator.snapshot(self.plan.max_level),
+            latency_ms=latency,
         )

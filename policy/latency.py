@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from dynoff.policy.config import PolicyConfig
 
@@ -371,6 +371,8 @@ class LatencyEstimator:
             return self.measured(level)
         return self.predicted(level, shape)
 
-    def snapshot(self, max_level: int) -> dict[str, float | None]:
-        """Current estimates of every level, for the trace."""
-        return {str(k): self.estimate(k) for k in range(max_level + 1)}
+    def snapshot(
+        self, levels: Iterable[int], shape: StepShape | None = None
+    ) -> dict[str, float | None]:
+        """Current estimates of ``levels`` for ``shape``, for the trace."""
+        return {str(k): self.estimate(k, shape) for k in levels}

@@ -91,6 +91,11 @@ class TraceWriter:
         self._t0 = time.monotonic()
         self.running = TraceSummary()
 
+    @property
+    def enabled(self) -> bool:
+        """Records reach a file (else only the running summary sees them)."""
+        return self._file is not None
+
     def step(self, **record: Any) -> None:
         self._write({"kind": "step", **record})
 

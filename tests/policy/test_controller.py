@@ -114,6 +114,8 @@ def test_trace_records_steps_and_level_changes(tmp_path) -> None:
     assert {"t", "level", "capacity_blocks", "kv_util", "waiting", "draining", "latency_ms"} <= set(
         steps[0]
     )
+    # the levels the policy weighs at the recorded level (its next one up to max level 2)
+    assert [sorted(r["latency_ms"]) for r in steps] == [["0", "1"], ["1", "2"], ["2"]]
     assert ctl.trace.summary()["levels_visited"] == [0, 1, 2]
     assert ctl.trace.summary()["capacity_blocks_by_level"] == {0: 16, 1: 32, 2: 48}
 

@@ -176,3 +176,39 @@ def test_fitted_model_sees_the_copies_hide_behind_a_big_batch() -> None:
     for _ in range(3):
         estimator.observe(1, 1.04 * estimator.model.step_ms(1, big), big)
     assert estimator.estimate(1, big) == pytest.approx(1.04 * k0.step_ms(big), rel=0.01)
+
+
+def test_fit_of_the_h200_k0_steps_predicts_the_static_k1_steps() -> None:
+    """Against the H200 (regime b, ShareGPT, bench/results/serving_qwen3-32b_b_sharegpt_h200.json):
+    fit level-0 step times by running batch from the dynamic run (it stayed at k = 0), then
+    predict k = 1 and compare with what the static k = 1 run measured at each batch."""
+    import json
+    from pathlib import Path
+
+    report = json.loads(
+        (
+            Path(__file__).parents[2] / "bench/results/serving_qwen3-32b_b_sharegpt_h200.json"
+        ).read_text()
+    )
+    k0 = report["systems"]["dynamic"]["batch_bands"]
+    k1 = report["systems"]["static"]["batch_bands"]
+    fit = StepTimeFit()
+    for band in k0:
+        if band["kv_util"] < 0.9:  # past that, waiting and preemption shape the steps too
+            for _ in range(band["steps"]):
+                fit.observe(StepShape(round(band["running_mean"])), band["step_ms"])
+    cost = fit.solve()
+    assert cost is not None and cost.ms_per_decode_token > 0
+    model = OffloadCostModel.from_step_cost(N, 975_196_672, 55.2e9, cost)
+    errors = [
+        model.step_ms(1, StepShape(round(band["running_mean"]))) / band["step_ms"] - 1
+        for band in k1
+    ]
+    # Copy-bound on small batches, hidden past ~175: within 15% across the whole range. It
+    # errs low by a near-constant 5-13% (the piecewise path and the copies' contention are
+    # not in the model): one ratio, which level 1's own refinement learns, closes most of it.
+    assert max(abs(e) for e in errors) < 0.15, errors
+    assert max(errors) - min(errors) < 0.1, errors
+    # a model split from one mean step (the old calibration) misses the big batches by far
+    flat = OffloadCostModel.from_k0_step(N, 975_196_672, 55.2e9, cost.step_ms(StepShape(100)))
+    assert flat.step_ms(1, StepShape(250)) / k1[-1]["step_ms"] < 0.75

@@ -28,7 +28,8 @@ is sampled every ``--sample`` seconds; **a rate is sustainable when the queue do
 over the window: the least-squares slope of its samples stays below 2% of the offered
 rate**, and the maximum sustainable rate is the highest achieved rate among sustainable
 rates. Arrivals and prompts depend on the rate alone, so every system sees the same ones.
-For the plugin's systems the trace (level, KV utilisation, queue) is sampled every step.
+For the plugin's systems the trace (level, KV utilisation, queue, the policy's decision, the
+step's forward time and tokens) is sampled every step.
 Runs on vLLM's CPU engine too (``--cpu``: a generated Llama, ``stock`` = the reference
 worker, ``dynamic``/``static`` = the plugin).
 """
@@ -297,19 +298,25 @@ def summarize(step: Step, everyone: list[Request], args: argparse.Namespace) -> 
     }
 
 
+STEP_KEYS = ("t", "step", "level", "kv_util", "waiting", "running", "decision", "latency_ms")
+FORWARD_KEYS = ("forward_ms", "decode_tokens", "prefill_tokens")
+
+
 def trace_series(trace: Path, limit: int = 4000) -> list[dict[str, Any]]:
-    """The plugin trace's per-step records (level, KV utilisation, queue), thinned."""
+    """The plugin trace's per-step records, thinned: level, KV utilisation, queue, the
+    policy's decision and the estimates it weighed, and, once the step's forward has been
+    reported, its time and token counts (what the cost model is fitted to)."""
     if not trace.exists():
         return []
-    steps = []
+    steps, forwards = [], {}
     for line in trace.read_text().splitlines():
         record = json.loads(line)
         if record.get("kind") == "step":
-            steps.append(
-                {k: record[k] for k in ("t", "step", "level", "kv_util", "waiting", "running")}
-            )
+            steps.append({k: record[k] for k in STEP_KEYS if k in record})
+        elif record.get("kind") == "forward":
+            forwards[record["step"]] = {k: record[k] for k in FORWARD_KEYS}
     stride = max(1, len(steps) // limit)
-    return steps[::stride]
+    return [{**s, **forwards.get(s["step"], {})} for s in steps[::stride]]
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -28,6 +28,8 @@ def test_serving_driver_measures_two_rates_and_plots(tmp_path: Path, sweep: str)
     cmd += ["--warmup", "2", "--grace", "10", "--out", str(out)]
     if sweep == "staircase":  # the second rate starts with the first one's requests in flight
         cmd += ["--staircase", "--step-warmup", "2"]
+        # and the model estimator, fitted to the engine's real step shapes as it serves
+        cmd += ["--policy", json.dumps({"estimator": "model", "proxy": "model"})]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
@@ -45,7 +47,13 @@ def test_serving_driver_measures_two_rates_and_plots(tmp_path: Path, sweep: str)
         assert rate["sustainable"]  # a tiny model on 2 cores keeps up with 3 req/s
         assert len(rate["cdf_ms"]["e2e"]) == 101
     assert results["max_sustainable_rate"] == max(r["achieved_rate"] for r in results["rates"])
-    assert results["trace"] and {"level", "kv_util", "waiting"} <= set(results["trace"][0])
+    trace = results["trace"]
+    assert trace and {"level", "kv_util", "waiting", "decision"} <= set(trace[0])
+    timed = [s for s in trace if s.get("forward_ms", 0) > 0]
+    assert timed and all(s["decode_tokens"] + s["prefill_tokens"] > 0 for s in timed)
+    if sweep == "staircase":  # the model, fitted from level-0 steps, prices the current level
+        priced = [s["latency_ms"][str(s["level"])] for s in trace[len(trace) // 2 :]]
+        assert priced and all(ms is not None and ms > 0 for ms in priced)
     plots = subprocess.run(
         [sys.executable, "-m", "bench.plots", "serving", str(out), "--out", str(tmp_path)],
         cwd=ROOT,

@@ -264,16 +264,16 @@ def resize_costs(trace: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def predict(levels: dict[str, dict[str, Any]], geometry: dict[str, Any], peak: float) -> None:
     """Fill ``decode_ms_predicted`` from level 0, the link peak and the piecewise penalty."""
-    from dynoff.policy.latency import OffloadCostModel, StepShape
+    from dynoff.policy.latency import OffloadCostModel, StepCost, StepShape
 
     k0, k0p = levels.get("0", {}).get("decode_ms"), levels.get("0p", {}).get("decode_ms")
     if not k0 or not peak:
         return
-    model = OffloadCostModel.from_k0_step(
+    model = OffloadCostModel.from_step_cost(
         geometry["num_layers"],
         geometry["layer_bytes"],
         peak * 1e9,
-        k0,
+        StepCost(k0),
         piecewise_penalty_ms=max(0.0, (k0p or k0) - k0),
     )
     for key, entry in levels.items():

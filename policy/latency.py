@@ -215,27 +215,6 @@ class OffloadCostModel:
         return None
 
     @classmethod
-    def from_k0_step(
-        cls,
-        num_layers: int,
-        layer_bytes: int,
-        h2d_bytes_per_s: float,
-        k0_step_ms: float,
-        overhead_fraction: float = 0.05,
-        piecewise_penalty_ms: float = 0.0,
-    ) -> OffloadCostModel:
-        """Calibrate from one measured level-0 decode step: ``overhead_fraction`` of it is
-        outside the layers, the rest splits evenly over the N layers."""
-        return cls.from_step_cost(
-            num_layers,
-            layer_bytes,
-            h2d_bytes_per_s,
-            StepCost(k0_step_ms),
-            overhead_fraction,
-            piecewise_penalty_ms,
-        )
-
-    @classmethod
     def from_step_cost(
         cls,
         num_layers: int,

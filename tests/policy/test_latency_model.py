@@ -210,5 +210,7 @@ def test_fit_of_the_h200_k0_steps_predicts_the_static_k1_steps() -> None:
     assert max(abs(e) for e in errors) < 0.15, errors
     assert max(errors) - min(errors) < 0.1, errors
     # a model split from one mean step (the old calibration) misses the big batches by far
-    flat = OffloadCostModel.from_k0_step(N, 975_196_672, 55.2e9, cost.step_ms(StepShape(100)))
+    flat = OffloadCostModel.from_step_cost(
+        N, 975_196_672, 55.2e9, StepCost(cost.step_ms(StepShape(100)))
+    )
     assert flat.step_ms(1, StepShape(250)) / k1[-1]["step_ms"] < 0.75

@@ -6,7 +6,10 @@
     else:                          hold
 
 C_k is the KV capacity in blocks at level k, L_k the latency estimate. With the ``model``
-proxy, L_k is predicted for the current step's composition instead of a decode-only step.
+proxy, L_k is the mean predicted step time over the recent steps' compositions (decode-only
+and prefill-carrying steps in the proportions the server ran them) instead of a decode-only
+step's: a level is held over all of them. Pricing one long prefill step alone, where the
+copies hide, would raise k and then pay the copies on every decode step after it.
 An unknown L_{k+1} (never measured, no model) counts as equal to L_k, so the policy explores
 upward under pressure, as the seed's "start at M and adjust reactively" does.
 
@@ -29,7 +32,7 @@ class Pressure:
 
     waiting: int
     kv_utilization: float
-    shape: StepShape = dataclasses.field(default_factory=StepShape)
+    mix: tuple[StepShape, ...] = ()  # recent steps' compositions, oldest first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +68,9 @@ class OffloadPolicy:
         self.level = max_level if self.warming_up else 0
         self.cooldown = 0
 
-    def proxy(self, level: int, shape: StepShape) -> float | None:
+    def proxy(self, level: int, mix: tuple[StepShape, ...]) -> float | None:
         """E[T_k] = C_k / L_k (blocks per ms)."""
-        latency = self.estimator.estimate(level, shape if self.config.proxy == "model" else None)
+        latency = self.estimator.estimate(level, mix if self.config.proxy == "model" else ())
         if latency is None or latency <= 0:
             return None
         return self.capacity_blocks(level) / latency
@@ -82,8 +85,8 @@ class OffloadPolicy:
         cfg = self.config
         if pressure.waiting > 0 or pressure.kv_utilization > cfg.high_threshold:
             if self.level < self.max_level:
-                current = self.proxy(self.level, pressure.shape)
-                nxt = self._next_proxy(pressure.shape, current)
+                current = self.proxy(self.level, pressure.mix)
+                nxt = self._next_proxy(pressure.mix, current)
                 if current is None or (nxt is not None and nxt > current):
                     return self._move(+1, "up", current, nxt)
                 return Decision(self.level, "hold", current, nxt)
@@ -93,8 +96,8 @@ class OffloadPolicy:
             return self._move(-1, "down")
         return Decision(self.level, "hold")
 
-    def _next_proxy(self, shape: StepShape, current: float | None) -> float | None:
-        nxt = self.proxy(self.level + 1, shape)
+    def _next_proxy(self, mix: tuple[StepShape, ...], current: float | None) -> float | None:
+        nxt = self.proxy(self.level + 1, mix)
         if nxt is None and current is not None:
             # Unknown L_{k+1}: assume L_k, so the extra capacity decides (explore upward).
             return current * self.capacity_blocks(self.level + 1) / self.capacity_blocks(self.level)

@@ -24,7 +24,10 @@ class PolicyConfig:
         estimator: where L_k comes from: ``"measured"`` (the seed's per-level averages) or
             ``"model"`` (the link-aware latency model, refined by measurements).
         proxy: ``"decode"`` (the seed's C_k / L_k on decode-only steps) or ``"model"``
-            (C_k / L_k for the current step's mix of decode and prefill tokens).
+            (C_k / L_k with L_k the mean predicted step time over the last ``mix_steps``
+            steps' compositions: the work a level will be held over, not one step).
+        mix_steps: how many recent steps the ``model`` proxy prices (decode-only and
+            prefill-carrying steps alike, in the proportions the server runs them).
         min_samples: measured steps at a level before its average replaces the model.
         drain_lag_steps: steps a fully drained group waits before it may be unmapped
             (async scheduling: a block freed at step N may be written by step N+1).
@@ -39,6 +42,7 @@ class PolicyConfig:
     estimator: Estimator = "measured"
     proxy: Proxy = "decode"
     min_samples: int = 3
+    mix_steps: int = 64
     drain_lag_steps: int = 2
 
     def __post_init__(self) -> None:
@@ -55,7 +59,7 @@ class PolicyConfig:
             raise ValueError(f"cooldown_steps={self.cooldown_steps} must be >= 0")
         if self.max_level is not None and self.max_level < 0:
             raise ValueError(f"max_level={self.max_level} must be >= 0 (or None for N/2)")
-        for name in ("warmup_samples", "min_samples"):
+        for name in ("warmup_samples", "min_samples", "mix_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.drain_lag_steps < 0:

@@ -20,6 +20,7 @@ they were, and serving continues.
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from vllm.v1.core.block_pool import BlockPool
 
@@ -73,7 +74,7 @@ class OffloadController:
         self._outcomes: dict[int, ResizeOutcome] = {}
         self._errors: list[str] = []
         self._next_id = 0
-        self._shape = StepShape(num_decode_tokens=1)
+        self._mix: deque[StepShape] = deque(maxlen=config.policy.mix_steps)
         self._decision = "hold"
 
     # -- per step -----------------------------------------------------------------------------
@@ -99,7 +100,7 @@ class OffloadController:
     def on_report(self, report: StepReport) -> None:
         if report.timed:
             shape = StepShape(report.num_decode_tokens, report.num_prefill_tokens)
-            self._shape = shape
+            self._mix.append(shape)
             self.estimator.observe(report.level, report.forward_ms, shape)
             self.trace.forward(
                 step=report.step,
@@ -126,7 +127,7 @@ class OffloadController:
             self._decision = "forced"
         else:
             usage = self.elastic.pool.get_usage()
-            decision = self.policy.decide(Pressure(waiting, usage, self._shape))
+            decision = self.policy.decide(Pressure(waiting, usage, tuple(self._mix)))
             target, self._decision = decision.level, decision.reason
         if target > self.level:
             groups = self.elastic.begin_grow(self.plan.tier_groups)
@@ -211,9 +212,9 @@ class OffloadController:
         pool = self.elastic.pool
         latency: dict[str, float | None] = {}
         if self.trace.enabled:  # the two levels the policy weighs, priced as it prices them
-            shape = self._shape if self.config.policy.proxy == "model" else None
+            mix = tuple(self._mix) if self.config.policy.proxy == "model" else ()
             levels = range(self.level, min(self.level + 1, self.plan.max_level) + 1)
-            latency = self.estimator.snapshot(levels, shape)
+            latency = self.estimator.snapshot(levels, mix)
         self.trace.step(
             step=step,
             level=self.level,

@@ -7,9 +7,9 @@ from dynoff.policy.config import PolicyConfig
 from dynoff.policy.latency import LatencyEstimator, StepShape
 
 DECODE = StepShape(num_decode_tokens=64)
-HIGH = Pressure(waiting=5, kv_utilization=0.95, shape=DECODE)
-LOW = Pressure(waiting=0, kv_utilization=0.10, shape=DECODE)
-MID = Pressure(waiting=0, kv_utilization=0.70, shape=DECODE)
+HIGH = Pressure(waiting=5, kv_utilization=0.95, mix=(DECODE,))
+LOW = Pressure(waiting=0, kv_utilization=0.10, mix=(DECODE,))
+MID = Pressure(waiting=0, kv_utilization=0.70, mix=(DECODE,))
 
 
 def capacity(level: int) -> int:
@@ -54,7 +54,7 @@ def test_low_pressure_descends_unconditionally_and_mid_holds() -> None:
 
 def test_waiting_requests_count_as_high_pressure_at_low_utilisation() -> None:
     policy = make({k: 30.0 for k in range(5)})
-    assert run(policy, [Pressure(waiting=1, kv_utilization=0.2, shape=DECODE)]) == [1]
+    assert run(policy, [Pressure(waiting=1, kv_utilization=0.2, mix=(DECODE,))]) == [1]
 
 
 def test_cooldown_holds_for_c_steps_after_a_change() -> None:

@@ -22,6 +22,7 @@ GIB = 1 << 30
         ({"cooldown_steps": -1}, "cooldown_steps=-1 must be >= 0"),
         ({"max_level": -1}, "max_level=-1 must be >= 0"),
         ({"warmup_samples": 0}, "warmup_samples must be >= 1"),
+        ({"mix_steps": 0}, "mix_steps must be >= 1"),
         ({"drain_lag_steps": -2}, "drain_lag_steps=-2"),
         ({"estimator": "magic"}, "use 'measured' or 'model'"),
         ({"proxy": "tokens"}, "use 'decode' or 'model'"),

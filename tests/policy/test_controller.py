@@ -9,6 +9,7 @@ import json
 from dynoff.policy.block_pool import KVLayout, plan_capacity
 from dynoff.policy.config import DynamicOffloadConfig, PolicyConfig
 from dynoff.policy.controller import OffloadController
+from dynoff.policy.latency import StepShape
 from dynoff.policy.messages import OffloadCommand, ResizeOutcome, StepReport
 from tests.policy.kv_fixtures import BLOCK_SIZE, SPEC, make_manager, make_request
 
@@ -142,13 +143,13 @@ def test_untimed_reports_leave_no_forward_in_the_trace(tmp_path) -> None:
     """Under async scheduling a report can come before any forward has finished; it carries
     no step (0 tokens, 0 ms) and must not read as a 0 ms step to the trace's readers. A step
     with nothing scheduled has a time but no tokens: not a decode time either. Neither feeds
-    the estimator or replaces the shape the model proxy predicts for."""
+    the estimator or joins the step mix the model proxy prices."""
     ctl, _ = controller(tmp_path)
     ctl.on_report(StepReport(step=1, level=0, forward_ms=0.0))
     ctl.on_report(StepReport(2, 0, 12.5, num_decode_tokens=3, num_prefill_tokens=40))
     ctl.on_report(StepReport(3, 0, 0.2))  # vLLM's early return: no tokens scheduled
     assert ctl.estimator.samples(0) == 0  # the timed step had prefill: not a decode sample
-    assert (ctl._shape.num_decode_tokens, ctl._shape.num_prefill_tokens) == (3, 40)
+    assert list(ctl._mix) == [StepShape(3, 40)]
     ctl.on_report(StepReport(4, 0, 9.0, num_decode_tokens=3))
     assert ctl.estimator.measured(0) == 9.0
     ctl.trace.close()

@@ -12,6 +12,11 @@ For a system with the plugin's per-step trace, the report also bins the steps by
 (``batch_bands``): step time, and requests advanced per second (running ÷ step time, close to
 decode tokens per second). Where that figure stops rising as the batch grows, the engine is
 bound by compute, not by KV: more KV blocks admit more requests without adding throughput.
+
+It also summarises the steps served while the KV cache was nearly full (``step_mix``), per
+offload level: how many carried a prefill chunk, what share of the time those took, and the
+mean decode-only and prefill-carrying step. A level's copies hide behind the long prefill
+steps and not behind the decode steps, so this mix is what one more level costs.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ BASELINES = {
 }
 BAND = 25  # requests per running-batch band
 MIN_BAND_STEPS = 20  # fewer steps than this are noise, not a band
+SATURATED_KV = 0.85  # step_mix: KV utilisation above which a step counts as saturated
 
 
 def batch_bands(trace: list[dict[str, Any]], band: int = BAND) -> list[dict[str, Any]]:
@@ -74,6 +80,37 @@ def batch_bands(trace: list[dict[str, Any]], band: int = BAND) -> list[dict[str,
                 "requests_per_s": round(running / step_s),
                 "kv_util": round(sum(s["kv_util"] for _, s in steps) / len(steps), 3),
                 "waiting": round(sum(s["waiting"] for _, s in steps) / len(steps), 1),
+            }
+        )
+    return rows
+
+
+def step_mix(trace: list[dict[str, Any]], kv_min: float = SATURATED_KV) -> list[dict[str, Any]]:
+    """Per level, the timed steps served with KV utilisation above ``kv_min``: the share that
+    carried prefill, the share of time they took, and the mean step of each kind (ms)."""
+    by_level: dict[int, list[dict[str, Any]]] = {}
+    for r in trace:
+        timed = r.get("forward_ms", 0) > 0 and r.get("decode_tokens", 0) + r.get(
+            "prefill_tokens", 0
+        )
+        if timed and r["kv_util"] > kv_min:
+            by_level.setdefault(r["level"], []).append(r)
+    rows = []
+    for level in sorted(by_level):
+        steps = by_level[level]
+        if len(steps) < MIN_BAND_STEPS:
+            continue
+        prefill = [r["forward_ms"] for r in steps if r["prefill_tokens"]]
+        decode = [r["forward_ms"] for r in steps if not r["prefill_tokens"]]
+        total = sum(prefill) + sum(decode)
+        rows.append(
+            {
+                "level": level,
+                "steps": len(steps),
+                "prefill_step_share": round(len(prefill) / len(steps), 3),
+                "prefill_time_share": round(sum(prefill) / total, 3),
+                "decode_step_ms": round(sum(decode) / len(decode), 2) if decode else None,
+                "prefill_step_ms": round(sum(prefill) / len(prefill), 2) if prefill else None,
             }
         )
     return rows
@@ -204,6 +241,7 @@ def report(systems: dict[str, dict[str, Any]], regime: str) -> dict[str, Any]:
                 "levels_seen": sorted({r["level"] for r in run["trace"]}) if run["trace"] else None,
                 "kv_util_max": max((r["kv_util"] for r in run["trace"]), default=None),
                 "batch_bands": batch_bands(run["trace"]) if run["trace"] else None,
+                "step_mix": step_mix(run["trace"]) if run["trace"] else None,
                 "sources": run["sources"],
                 "rates": [{k: r[k] for k in ROW_KEYS} for r in run["rates"]],
             }
@@ -239,6 +277,21 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {b['running'][0]}-{b['running'][1]} | {b['steps']} | {b['step_ms']:g} "
             f"| {b['requests_per_s']} | {b['kv_util']:.2f} | {b['waiting']:g} |"
             for b in run["batch_bands"]
+        ]
+    for name, run in result["systems"].items():
+        if not run["step_mix"]:
+            continue
+        lines += [
+            "",
+            f"{name}, steps served with KV utilisation above {SATURATED_KV}, by level:",
+            "",
+            "| level | steps | with prefill | their time | decode step ms | prefill step ms |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {m['level']} | {m['steps']} | {m['prefill_step_share']:.0%} "
+            f"| {m['prefill_time_share']:.0%} | {m['decode_step_ms']} | {m['prefill_step_ms']} |"
+            for m in run["step_mix"]
         ]
     return "\n".join(lines)
 

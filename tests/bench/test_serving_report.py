@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from bench.serving import queue_slope, sustainable
-from bench.serving_report import batch_bands, load_systems, markdown, report
+from bench.serving_report import batch_bands, load_systems, markdown, report, step_mix
 
 
 def _entry(rate: float, achieved: float, queue_per_s: float) -> dict[str, Any]:
@@ -126,6 +126,37 @@ def test_batch_bands_show_where_throughput_stops_rising() -> None:
     assert bands[0]["requests_per_s"] < bands[1]["requests_per_s"] < bands[2]["requests_per_s"]
     assert {b["requests_per_s"] for b in bands[3:]} == {5000}  # compute-bound: flat
     assert abs(bands[-1]["kv_util"] - bands[-1]["running_mean"] / 300) < 0.01
+
+
+def test_step_mix_prices_the_saturated_steps_per_level() -> None:
+    """Per level, only timed steps above the KV threshold count; one prefill step of 400 ms
+    among four 25 ms decode steps is a fifth of the steps and 80% of the time."""
+
+    def step(level: int, kv: float, ms: float, decode: int, prefill: int) -> dict[str, Any]:
+        return {
+            "level": level,
+            "kv_util": kv,
+            "forward_ms": ms,
+            "decode_tokens": decode,
+            "prefill_tokens": prefill,
+        }
+
+    trace = []
+    for _ in range(10):
+        trace += [step(0, 0.95, 400.0, 20, 4096)] + [step(0, 0.95, 25.0, 22, 0)] * 4
+        trace += [step(1, 0.95, 60.0, 22, 0)]  # 10 in all, below MIN_BAND_STEPS: left out
+        trace += [step(0, 0.30, 20.0, 5, 0)]  # not saturated
+        trace += [{"level": 0, "kv_util": 0.95, "t": 0.0}]  # no forward: untimed
+    trace += [step(0, 0.95, 0.0, 0, 0)]  # an empty step
+    (row,) = step_mix(trace)
+    assert row == {
+        "level": 0,
+        "steps": 50,
+        "prefill_step_share": 0.2,
+        "prefill_time_share": 0.8,
+        "decode_step_ms": 25.0,
+        "prefill_step_ms": 400.0,
+    }
 
 
 def test_report_refuses_runs_from_another_setting(tmp_path: Path) -> None:

@@ -251,15 +251,37 @@ def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None
 
     ours = [r for r in runs if r.get("trace")]
     if ours:
-        fig, axes = plt.subplots(4, 1, figsize=(11, 9), sharex=True)
-        for run in ours:
+        # Traces that carry each step's forward get a fifth panel: the step times, decode-only
+        # steps (dots) apart from prefill-carrying ones (crosses), where a level's copies show.
+        timed = any("forward_ms" in r for run in ours for r in run["trace"])
+        labels = ["offload level k", "KV utilisation", "waiting requests", "running requests"]
+        if timed:
+            labels.append("step time (ms, log)")
+        fig, axes = plt.subplots(len(labels), 1, figsize=(11, 2.25 * len(labels)), sharex=True)
+        for run, color in zip(
+            ours, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False
+        ):
             trace = run["trace"]
             ts = [r["t"] for r in trace]
-            axes[0].step(ts, [r["level"] for r in trace], where="post", label=run["system"])
-            axes[1].plot(ts, [r["kv_util"] for r in trace], lw=0.8, label=run["system"])
-            axes[2].plot(ts, [r["waiting"] for r in trace], lw=0.8, label=run["system"])
-            axes[3].plot(ts, [r["running"] for r in trace], lw=0.8, label=run["system"])
-        labels = ("offload level k", "KV utilisation", "waiting requests", "running requests")
+            style = {"color": color, "label": run["system"]}
+            axes[0].step(ts, [r["level"] for r in trace], where="post", **style)
+            axes[1].plot(ts, [r["kv_util"] for r in trace], lw=0.8, **style)
+            axes[2].plot(ts, [r["waiting"] for r in trace], lw=0.8, **style)
+            axes[3].plot(ts, [r["running"] for r in trace], lw=0.8, **style)
+            if timed:
+                steps = [r for r in trace if r.get("forward_ms", 0) > 0]
+                for decode_only, marker in ((True, "."), (False, "x")):
+                    kind = [r for r in steps if (r.get("prefill_tokens", 0) == 0) == decode_only]
+                    axes[4].scatter(
+                        [r["t"] for r in kind],
+                        [r["forward_ms"] for r in kind],
+                        s=4 if decode_only else 10,
+                        marker=marker,
+                        color=color,
+                        alpha=0.6,
+                    )
+        if timed:
+            axes[4].set_yscale("log")
         for ax, label in zip(axes, labels, strict=True):
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)

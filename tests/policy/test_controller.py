@@ -9,7 +9,7 @@ import json
 from dynoff.policy.block_pool import KVLayout, plan_capacity
 from dynoff.policy.config import DynamicOffloadConfig, PolicyConfig
 from dynoff.policy.controller import OffloadController
-from dynoff.policy.latency import StepShape
+from dynoff.policy.latency import StepCost, StepShape
 from dynoff.policy.messages import OffloadCommand, ResizeOutcome, StepReport
 from tests.policy.kv_fixtures import BLOCK_SIZE, SPEC, make_manager, make_request
 
@@ -156,3 +156,42 @@ def test_untimed_reports_leave_no_forward_in_the_trace(tmp_path) -> None:
     lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     forwards = [r for r in lines if r["kind"] == "forward"]
     assert [(r["step"], r["forward_ms"]) for r in forwards] == [(2, 12.5), (4, 9.0)]
+
+
+def test_model_proxy_prices_the_recent_steps_not_the_last_one(tmp_path) -> None:
+    """A slow link (one 512 KiB layer takes 20 ms): decode steps of ~8-12 ms cannot hide a
+    level's copies, an 800 ms prefill step can. Right after that prefill step, with decode
+    steps before it, the controller holds k = 0 although the level doubles the KV; priced
+    on the last step alone (``mix_steps`` 1) it climbs."""
+    truth = StepCost(4.0, ms_per_decode_token=1.0, ms_per_prefill_token=0.8)
+    # 64 level-0 steps (the estimator refits every 16, so its last fit has seen the prefill
+    # step): at k = 1 the 63 decode steps gain ~33 ms each, 2.4x the mix's time at k = 0,
+    # more than the 2x KV the level adds here.
+    steps = [StepShape(4 + 4 * (i % 2)) for i in range(63)] + [StepShape(4, 1000)]
+
+    def run(mix_steps: int) -> OffloadCommand | None:
+        policy = PolicyConfig(
+            estimator="model", proxy="model", min_samples=3, cooldown_steps=0, mix_steps=mix_steps
+        )
+        plan = plan_capacity(
+            STRIDES, base_blocks=16, layer_bytes=LAYER_BYTES, max_level=2, page_size=PAGE
+        )
+        manager = make_manager(plan.num_blocks)
+        config = DynamicOffloadConfig(policy=policy, h2d_GBps=LAYER_BYTES / 0.020 / 1e9)
+        layout = KVLayout(plan.num_blocks, tuple(STRIDES), PAGE)
+        ctl = OffloadController(
+            config, plan, layout, manager.block_pool, num_layers=8, layer_bytes=LAYER_BYTES
+        )
+        for step, shape in enumerate(steps):
+            ctl.on_report(
+                StepReport(
+                    step, 0, truth.step_ms(shape), shape.num_decode_tokens, shape.num_prefill_tokens
+                )
+            )
+        model = ctl.estimator.model
+        assert model is not None and model.layer_ms_per_prefill_token > 0
+        return ctl.on_schedule_start(len(steps), waiting=4, running=8)
+
+    assert run(mix_steps=64) is None  # 63 decode steps + 1 prefill step: the copies show
+    command = run(mix_steps=1)  # the prefill step alone: the copies hide
+    assert command is not None and command.target_level == 1

@@ -181,6 +181,7 @@ def plot_resize(runs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
 def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None) -> list[Path]:
     import matplotlib.pyplot as plt
 
+    from bench.serving import timed_forward
     from bench.serving_report import batch_bands, knee_reached, load_systems
 
     runs = list(load_systems(paths).values())  # rescored, one per system
@@ -253,7 +254,7 @@ def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None
     if ours:
         # Traces that carry each step's forward get a fifth panel: the step times, decode-only
         # steps (dots) apart from prefill-carrying ones (crosses), where a level's copies show.
-        timed = any("forward_ms" in r for run in ours for r in run["trace"])
+        timed = any(timed_forward(r) for run in ours for r in run["trace"])
         labels = ["offload level k", "KV utilisation", "waiting requests", "running requests"]
         if timed:
             labels.append("step time (ms, log)")
@@ -269,9 +270,9 @@ def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None
             axes[2].plot(ts, [r["waiting"] for r in trace], lw=0.8, **style)
             axes[3].plot(ts, [r["running"] for r in trace], lw=0.8, **style)
             if timed:
-                steps = [r for r in trace if r.get("forward_ms", 0) > 0]
+                steps = [r for r in trace if timed_forward(r)]
                 for decode_only, marker in ((True, "."), (False, "x")):
-                    kind = [r for r in steps if (r.get("prefill_tokens", 0) == 0) == decode_only]
+                    kind = [r for r in steps if (r["prefill_tokens"] == 0) == decode_only]
                     axes[4].scatter(
                         [r["t"] for r in kind],
                         [r["forward_ms"] for r in kind],

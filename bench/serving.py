@@ -302,6 +302,13 @@ STEP_KEYS = ("t", "step", "level", "kv_util", "waiting", "running", "decision", 
 FORWARD_KEYS = ("forward_ms", "decode_tokens", "prefill_tokens")
 
 
+def timed_forward(record: dict[str, Any]) -> bool:
+    """A sampled step that carries a finished forward: a time and at least one token (the
+    rule of ``StepReport.timed``, for traces read back from a results file)."""
+    tokens = record.get("decode_tokens", 0) + record.get("prefill_tokens", 0)
+    return record.get("forward_ms", 0) > 0 and tokens > 0
+
+
 def trace_series(trace: Path, limit: int = 4000) -> list[dict[str, Any]]:
     """The plugin trace's per-step records, thinned: level, KV utilisation, queue, the
     policy's decision and the estimates it weighed, and, once the step's forward has been

@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_results
-from bench.serving import DEFINITION, SYSTEMS, max_sustainable_rate, queue_slope, sustainable
+from bench.serving import (
+    DEFINITION,
+    SYSTEMS,
+    max_sustainable_rate,
+    queue_slope,
+    sustainable,
+    timed_forward,
+)
 
 ROW_KEYS = (
     "target_rate",
@@ -90,10 +97,7 @@ def step_mix(trace: list[dict[str, Any]], kv_min: float = SATURATED_KV) -> list[
     carried prefill, the share of time they took, and the mean step of each kind (ms)."""
     by_level: dict[int, list[dict[str, Any]]] = {}
     for r in trace:
-        timed = r.get("forward_ms", 0) > 0 and r.get("decode_tokens", 0) + r.get(
-            "prefill_tokens", 0
-        )
-        if timed and r["kv_util"] > kv_min:
+        if timed_forward(r) and r["kv_util"] > kv_min:
             by_level.setdefault(r["level"], []).append(r)
     rows = []
     for level in sorted(by_level):

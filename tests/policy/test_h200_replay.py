@@ -18,6 +18,7 @@ import json
 from collections import deque
 from pathlib import Path
 
+from bench.serving import timed_forward
 from dynoff.policy.config import DynamicOffloadConfig, PolicyConfig
 from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepCost, StepShape
 
@@ -30,6 +31,17 @@ def capacity(level: int) -> int:
     return BLOCKS_AT_0 + BLOCKS_PER_LEVEL * level
 
 
+def model_estimator() -> LatencyEstimator:
+    """The estimator as the run's controller built it: the model proxy, calibrated from the
+    fitted level-0 steps, the layer geometry and the default link bandwidth."""
+    config = DynamicOffloadConfig(policy=PolicyConfig(estimator="model", proxy="model"))
+
+    def calibrate(cost: StepCost) -> OffloadCostModel:
+        return OffloadCostModel.from_step_cost(LAYERS, LAYER_BYTES, config.h2d_GBps * 1e9, cost)
+
+    return LatencyEstimator(config.policy, calibrate=calibrate)
+
+
 def climbs(estimator: LatencyEstimator, level: int, mix: tuple[StepShape, ...]) -> bool:
     """Algorithm 1's test under pressure: C_{k+1} / L_{k+1} > C_k / L_k."""
     current, nxt = estimator.estimate(level, mix), estimator.estimate(level + 1, mix)
@@ -38,13 +50,8 @@ def climbs(estimator: LatencyEstimator, level: int, mix: tuple[StepShape, ...]) 
 
 
 def test_the_recent_step_mix_holds_where_the_last_step_climbed() -> None:
-    config = DynamicOffloadConfig(policy=PolicyConfig(estimator="model", proxy="model"))
-
-    def calibrate(cost: StepCost) -> OffloadCostModel:
-        return OffloadCostModel.from_step_cost(LAYERS, LAYER_BYTES, config.h2d_GBps * 1e9, cost)
-
-    estimator = LatencyEstimator(config.policy, calibrate=calibrate)
-    mix: deque[StepShape] = deque(maxlen=config.policy.mix_steps)
+    estimator = model_estimator()
+    mix: deque[StepShape] = deque(maxlen=estimator.config.mix_steps)
     last_prefill: StepShape | None = None
     moved_from: set[int] = set()  # levels the run climbed from
     by_last_prefill: set[int] = set()  # ... that pricing the last prefill step climbs from
@@ -57,8 +64,8 @@ def test_the_recent_step_mix_holds_where_the_last_step_climbed() -> None:
                 by_mix.add(level)
             if last_prefill is not None and climbs(estimator, level, (last_prefill,)):
                 by_last_prefill.add(level)
-        if record.get("forward_ms", 0) > 0 and record["decode_tokens"] + record["prefill_tokens"]:
-            shape = StepShape(record["decode_tokens"], record["prefill_tokens"])
+        if timed_forward(record):
+            shape = shape_of(record)
             estimator.observe(record["level"], record["forward_ms"], shape)
             mix.append(shape)
             if not shape.decode_only:
@@ -75,12 +82,7 @@ def test_a_level_over_the_saturated_mix_costs_more_time_than_it_adds_kv() -> Non
     run's level-0 steps; price the steps the static k = 1 run served at saturation (KV over
     85%, 560 steps) at k = 0 and k = 1. The k = 1 price matches what static measured on
     those very steps, and L_1 / L_0 is above C_1 / C_0 = 1.04."""
-    config = PolicyConfig(estimator="model", proxy="model")
-
-    def calibrate(cost: StepCost) -> OffloadCostModel:
-        return OffloadCostModel.from_step_cost(LAYERS, LAYER_BYTES, 53e9, cost)
-
-    estimator = LatencyEstimator(config, calibrate=calibrate)
+    estimator = model_estimator()
     for record in timed_steps(RUN):
         if record["level"] == 0:
             estimator.observe(0, record["forward_ms"], shape_of(record))
@@ -107,11 +109,7 @@ def test_a_level_over_the_saturated_mix_costs_more_time_than_it_adds_kv() -> Non
 
 def timed_steps(path: Path) -> list[dict]:
     """The trace's steps that carry a timed forward with tokens."""
-    return [
-        r
-        for r in json.loads(path.read_text())["trace"]
-        if r.get("forward_ms", 0) > 0 and r["decode_tokens"] + r["prefill_tokens"]
-    ]
+    return [r for r in json.loads(path.read_text())["trace"] if timed_forward(r)]
 
 
 def shape_of(record: dict) -> StepShape:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gzip
 import json
 import os
 import platform
@@ -40,6 +41,13 @@ def machine_info() -> dict[str, Any]:
 
 def command_line() -> str:
     return " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv])
+
+
+def read_results(path: str | os.PathLike[str]) -> Any:
+    """A results file: JSON, or gzip-compressed JSON when its name ends in ``.gz`` (how the
+    serving runs are committed: their per-step traces compress about tenfold)."""
+    raw = Path(path).read_bytes()
+    return json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)
 
 
 def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> Path:

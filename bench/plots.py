@@ -1,8 +1,8 @@
 """Plots (PNG) of the microbenchmark and serving results.
 
     python -m bench.plots microbench bench/results/microbench_*_h200.json --out bench/results/plots
-    python -m bench.plots serving bench/results/serving_qwen3-32b_b_*_h200.json \
-        --out bench/results/plots --name serving_qwen3-32b_b [--cdf-rate 14]
+    python -m bench.plots serving bench/results/serving/qwen3-32b_b_sharegpt/*.json.gz \
+        --out bench/results/plots --name serving_qwen3-32b_b_sharegpt [--cdf-rate 14]
 
 Microbenchmark (the analogues of the seed's Figures 4 and 5 and Table 1):
 
@@ -27,16 +27,17 @@ Serving (one file per system, same model, memory and workload):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
+
+from bench.common import read_results
 
 
 def _load(paths: list[Path]) -> list[tuple[str, dict[str, Any]]]:
     runs = []
     for path in paths:
-        data = json.loads(path.read_text())
+        data = read_results(path)
         runs.append(
             (
                 Path(data["model"]).name

@@ -1,7 +1,7 @@
 """One regime's serving results in one file: each system's sweep, its maximum sustainable rate
 and the ratios the README quotes.
 
-    python -m bench.serving_report bench/results/serving/qwen3-32b_b_sharegpt/*.json \\
+    python -m bench.serving_report bench/results/serving/qwen3-32b_b_sharegpt/*.json.gz \\
         --regime b --out bench/results/serving_qwen3-32b_b_h200.json
 
 Every rate is scored again from its stored queue samples with the current definition
@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_results
+from bench.common import read_results, write_results
 from bench.serving import (
     DEFINITION,
     SYSTEMS,
@@ -150,7 +150,7 @@ def load_systems(paths: list[Path]) -> dict[str, dict[str, Any]]:
     systems: dict[str, dict[str, Any]] = {}
     first: tuple[Path, dict[str, Any]] | None = None
     for path in paths:
-        run = json.loads(path.read_text())
+        run = read_results(path)
         name = run["system"]
         if name not in SYSTEMS:
             raise SystemExit(f"{path}: unknown system {name!r}")
@@ -187,17 +187,35 @@ def load_systems(paths: list[Path]) -> dict[str, dict[str, Any]]:
     return systems
 
 
-def knee_reached(rates: list[dict[str, Any]]) -> bool:
-    """Whether the sweep offered a rate it could not sustain above its best sustainable one.
+KNEE_RULE = (
+    "a maximum is exact when the sweep offered a higher rate it could not sustain: its waiting "
+    "queue grew (knee 'queue'), or it completed fewer requests per second than the best "
+    "sustainable rate did (knee 'throughput': the backlog grows inside the running batch, "
+    "as when the KV cache and max_num_seqs admit every arrival); otherwise it is a lower bound"
+)
 
-    If not, the system sustained every rate offered, and its maximum sustainable rate is
-    only a lower bound: the sweep stopped short of its knee."""
+
+def knee(rates: list[dict[str, Any]]) -> str | None:
+    """How the sweep passed its knee above its best sustainable rate (:data:`KNEE_RULE`).
+
+    None when it did not: the system sustained every rate offered above its best one and
+    kept completing more, so its maximum sustainable rate is only a lower bound."""
     best = max(
         (r for r in rates if r["sustainable"]), key=lambda r: r["achieved_rate"], default=None
     )
     if best is None:
-        return True
-    return any(not r["sustainable"] and r["target_rate"] > best["target_rate"] for r in rates)
+        return "queue"  # no rate was sustainable
+    above = [r for r in rates if r["target_rate"] > best["target_rate"]]
+    if any(not r["sustainable"] for r in above):
+        return "queue"
+    if any(r["achieved_rate"] < best["achieved_rate"] for r in above):
+        return "throughput"
+    return None
+
+
+def knee_reached(rates: list[dict[str, Any]]) -> bool:
+    """Whether the maximum sustainable rate is exact rather than a lower bound."""
+    return knee(rates) is not None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -226,6 +244,7 @@ def report(systems: dict[str, dict[str, Any]], regime: str) -> dict[str, Any]:
         "gpu_memory_utilization": first["gpu_memory_utilization"],
         "workload": first["workload"],
         "definition": DEFINITION,
+        "knee_rule": KNEE_RULE,
         "max_sustainable_rate": top,
         "ratios": {
             f"dynamic_over_{key}": _ratio(ours, top.get(name)) for key, name in BASELINES.items()
@@ -241,6 +260,7 @@ def report(systems: dict[str, dict[str, Any]], regime: str) -> dict[str, Any]:
             name: {
                 "max_sustainable_rate": run["max_sustainable_rate"],
                 "knee_reached": exact[name],
+                "knee": knee(run["rates"]),
                 "engine": run["engine"],
                 "levels_seen": sorted({r["level"] for r in run["trace"]}) if run["trace"] else None,
                 "kv_util_max": max((r["kv_util"] for r in run["trace"]), default=None),

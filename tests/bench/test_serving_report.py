@@ -99,15 +99,35 @@ def test_a_sweep_that_stops_short_of_its_knee_bounds_the_ratios(tmp_path: Path) 
         [_entry(8, 7.5, 1.0), _entry(12, 11.9, 0.0), _entry(14, 13.5, 0.0)],
     )
     result = report(load_systems([stock, dynamic, static]), "b")
-    assert (
-        result["systems"]["stock"]["knee_reached"] and result["systems"]["dynamic"]["knee_reached"]
-    )
+    assert result["systems"]["stock"]["knee"] == result["systems"]["dynamic"]["knee"] == "queue"
     assert not result["systems"]["static"]["knee_reached"]
     assert result["ratio_bounds"] == {
         "dynamic_over_stock": "exact",
         "dynamic_over_static": "upper bound",
     }
     assert result["ratios"]["dynamic_over_static"] == round(12.1 / 13.5, 3)
+
+
+def test_completing_fewer_at_a_higher_rate_is_a_throughput_knee(tmp_path: Path) -> None:
+    """With KV and max_num_seqs to admit every arrival (regime a), the waiting queue never
+    grows: past the knee the backlog piles up in the running batch, and a higher offered rate
+    completes fewer requests per second. That makes the best rate exact, not a lower bound."""
+    stock = _write(
+        tmp_path,
+        "a.json",
+        "stock",
+        [_entry(16, 14.8, 0.0), _entry(20, 16.9, 0.0), _entry(23, 15.5, 0.0)],
+    )
+    dynamic = _write(tmp_path, "b.json", "dynamic", [_entry(16, 14.9, 0.0), _entry(20, 16.9, 0.0)])
+    result = report(load_systems([stock, dynamic]), "a")
+
+    assert all(r["sustainable"] for r in result["systems"]["stock"]["rates"])
+    assert result["systems"]["stock"]["knee"] == "throughput"
+    assert result["systems"]["stock"]["knee_reached"]
+    assert result["systems"]["dynamic"]["knee"] is None  # still completing more at 20
+    assert result["max_sustainable_rate"] == {"stock": 16.9, "dynamic": 16.9}
+    assert result["ratio_bounds"] == {"dynamic_over_stock": "lower bound"}
+    assert "| stock | 16.9 |" in markdown(result) and "| dynamic | ≥ 16.9 |" in markdown(result)
 
 
 def test_batch_bands_show_where_throughput_stops_rising() -> None:

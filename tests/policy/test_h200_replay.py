@@ -1,6 +1,6 @@
 """Replays the H200's regime b long-prompt run through the model proxy.
 
-The run (``bench/results/serving/qwen3-32b_b_longprompt/dynamic_h200.json``, Qwen3-32B bf16,
+The run (``bench/results/serving/qwen3-32b_b_longprompt/dynamic_h200.json.gz``, Qwen3-32B bf16,
 ~4,096-token prompts) climbed k = 0 -> 5 under pressure and sustained 1.2 req/s against
 stock's >= 1.85: it priced each level on the last step alone. Right after a ~0.85 s
 chunked-prefill step, two 17.7 ms copies per level hide and the extra 224 blocks win; the
@@ -14,15 +14,16 @@ where the run decided "up", the policy's inputs are rebuilt from the trace.
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from pathlib import Path
 
+from bench.common import read_results
 from bench.serving import timed_forward
 from dynoff.policy.config import DynamicOffloadConfig, PolicyConfig
 from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepCost, StepShape
 
-RUN = Path(__file__).parents[2] / "bench/results/serving/qwen3-32b_b_longprompt/dynamic_h200.json"
+RESULTS = Path(__file__).parents[2] / "bench/results/serving/qwen3-32b_b_longprompt"
+RUN = RESULTS / "dynamic_h200.json.gz"
 LAYERS, LAYER_BYTES = 64, 975_196_672  # Qwen3-32B bf16 (bench/results/microbench_*.json)
 BLOCKS_AT_0, BLOCKS_PER_LEVEL = 5568, 224  # the run's log: groups of 32 blocks
 
@@ -56,7 +57,7 @@ def test_the_recent_step_mix_holds_where_the_last_step_climbed() -> None:
     moved_from: set[int] = set()  # levels the run climbed from
     by_last_prefill: set[int] = set()  # ... that pricing the last prefill step climbs from
     by_mix: set[int] = set()  # ... that pricing the recent mix climbs from
-    for record in json.loads(RUN.read_text())["trace"]:
+    for record in read_results(RUN)["trace"]:
         if record["decision"] == "up":
             level = record["level"]
             moved_from.add(level)
@@ -86,7 +87,7 @@ def test_a_level_over_the_saturated_mix_costs_more_time_than_it_adds_kv() -> Non
     for record in timed_steps(RUN):
         if record["level"] == 0:
             estimator.observe(0, record["forward_ms"], shape_of(record))
-    saturated = [r for r in timed_steps(RUN.with_name("static_h200.json")) if r["kv_util"] > 0.85]
+    saturated = [r for r in timed_steps(RESULTS / "static_h200.json.gz") if r["kv_util"] > 0.85]
     assert {r["level"] for r in saturated} == {1}
     prefill = [r for r in saturated if r["prefill_tokens"]]
     assert 0.1 < len(prefill) / len(saturated) < 0.3  # 17% of the steps carry prefill ...
@@ -109,7 +110,7 @@ def test_a_level_over_the_saturated_mix_costs_more_time_than_it_adds_kv() -> Non
 
 def timed_steps(path: Path) -> list[dict]:
     """The trace's steps that carry a timed forward with tokens."""
-    return [r for r in json.loads(path.read_text())["trace"] if timed_forward(r)]
+    return [r for r in read_results(path)["trace"] if timed_forward(r)]
 
 
 def shape_of(record: dict) -> StepShape:

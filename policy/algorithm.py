@@ -2,8 +2,14 @@
 
     if cooldown > 0:               cooldown -= 1; hold
     elif waiting > 0 or U > τ_h:   if k < M and C_{k+1}/L_{k+1} > C_k/L_k: k += 1; cooldown = C
+                                   [elif k > 0 and C_{k-1}/L_{k-1} > (1+m)·C_k/L_k: k -= 1; ...]
     elif waiting == 0 and U < τ_l: if k > 0: k -= 1; cooldown = C
     else:                          hold
+
+The bracketed branch is ours, off by default (``descend_under_pressure``): the seed never
+steps down while requests wait, so a level that costs more time than the KV it adds stays
+until the queue clears. It needs level k measured (``min_samples`` decode-only steps), so
+an exploratory climb is judged on what it measured, not on the guess that sent it up.
 
 C_k is the KV capacity in blocks at level k, L_k the latency estimate. With the ``model``
 proxy, L_k is the mean predicted step time over the recent steps' compositions (decode-only
@@ -38,7 +44,7 @@ class Pressure:
 @dataclasses.dataclass(frozen=True)
 class Decision:
     level: int
-    reason: str  # "cooldown", "up", "down", "hold", "warmup", "warmup-done"
+    reason: str  # "cooldown", "up", "down", "down-pressure", "hold", "warmup", "warmup-done"
     proxy_current: float | None = None
     proxy_next: float | None = None
 
@@ -84,17 +90,33 @@ class OffloadPolicy:
             return Decision(self.level, "cooldown")
         cfg = self.config
         if pressure.waiting > 0 or pressure.kv_utilization > cfg.high_threshold:
+            current = self.proxy(self.level, pressure.mix)
+            nxt = None
             if self.level < self.max_level:
-                current = self.proxy(self.level, pressure.mix)
                 nxt = self._next_proxy(pressure.mix, current)
                 if current is None or (nxt is not None and nxt > current):
                     return self._move(+1, "up", current, nxt)
-                return Decision(self.level, "hold", current, nxt)
+            below = self._better_below(pressure.mix, current)
+            if below is not None:
+                return self._move(-1, "down-pressure", current, below)
+            return Decision(self.level, "hold", current, nxt)
         elif (
             pressure.waiting == 0 and pressure.kv_utilization < cfg.low_threshold and self.level > 0
         ):
             return self._move(-1, "down")
         return Decision(self.level, "hold")
+
+    def _better_below(self, mix: tuple[StepShape, ...], current: float | None) -> float | None:
+        """E[T_{k-1}] when descending under pressure is on, level k is measured and level
+        k-1 beats it by the margin; else None."""
+        if not self.config.descend_under_pressure or self.level == 0 or current is None:
+            return None
+        if self.estimator.samples(self.level) < self.config.min_samples:
+            return None
+        below = self.proxy(self.level - 1, mix)
+        if below is None or below <= current * (1 + self.config.descend_margin):
+            return None
+        return below
 
     def _next_proxy(self, mix: tuple[StepShape, ...], current: float | None) -> float | None:
         nxt = self.proxy(self.level + 1, mix)

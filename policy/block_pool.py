@@ -20,7 +20,11 @@ Group life cycle::
     UNMAPPING --commit_shrink--> RETIRED          (abort_drain / abort_shrink: back to ACTIVE)
 
 Nothing here waits: a shrink that cannot complete at once drains as requests finish, and
-is aborted (its blocks spliced back) if the free list runs dry meanwhile.
+is aborted (its blocks spliced back) if the free list runs dry meanwhile. A *held* drain
+(the policy stepping down under pressure) is not aborted: vLLM serves on with fewer free
+blocks, preempting if it must, until the draining groups are free. A block of a draining
+group leaves the pool the moment it is freed (``BlockPool.free_blocks`` is wrapped), so
+vLLM cannot hand it out again, not even within the same ``schedule()``.
 """
 
 from __future__ import annotations
@@ -135,6 +139,8 @@ class GroupState(enum.Enum):
 class _Drain:
     targets: tuple[int, ...]
     started_step: int
+    blocks: frozenset[int] = frozenset()  # every block id of the targets
+    hold: bool = False  # under pressure: never aborted for a dry free list
     ready_step: int | None = None
 
 
@@ -164,6 +170,8 @@ class ElasticBlockPool:
         for group in range(active_groups, layout.num_groups):
             self._take_out(layout.blocks_of(group))
         self._sync_capacity()
+        self._pool_free_blocks = pool.free_blocks
+        pool.free_blocks = self._free_blocks  # type: ignore[method-assign]
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -212,10 +220,11 @@ class ElasticBlockPool:
             self.states[g] = GroupState.RETIRED
 
     # -- shrinking ----------------------------------------------------------------------------
-    def begin_shrink(self, num_groups: int, step: int) -> tuple[int, ...]:
+    def begin_shrink(self, num_groups: int, step: int, hold: bool = False) -> tuple[int, ...]:
         """Start reclaiming ``num_groups`` active groups; returns the targets.
 
-        Wholly free groups are taken first; the rest drain as their blocks are freed.
+        Wholly free groups are taken first; the rest drain as their blocks are freed. A
+        ``hold`` drain is not aborted when the free list runs dry (:meth:`should_abort`).
         """
         if self._drain is not None:
             raise RuntimeError("a shrink is already in progress")
@@ -231,7 +240,8 @@ class ElasticBlockPool:
             targets += rest[: num_groups - len(targets)]
         for g in targets:
             self.states[g] = GroupState.DRAINING
-        self._drain = _Drain(tuple(sorted(targets)), started_step=step)
+        blocks = frozenset(b for g in targets for b in self.layout.blocks_of(g))
+        self._drain = _Drain(tuple(sorted(targets)), started_step=step, blocks=blocks, hold=hold)
         self.poll(step)
         return self._drain.targets if self._drain else tuple(sorted(targets))
 
@@ -255,8 +265,24 @@ class ElasticBlockPool:
             drain.ready_step = step + self.drain_lag_steps
 
     def should_abort(self) -> bool:
-        """Drain in progress and the main free list ran dry: give the blocks back."""
-        return self._drain is not None and self.pool.get_num_free_blocks() == 0
+        """A drain (not held) in progress and the main free list ran dry: give the blocks
+        back."""
+        drain = self._drain
+        return drain is not None and not drain.hold and self.pool.get_num_free_blocks() == 0
+
+    def _free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """``BlockPool.free_blocks``, then the freed blocks of a draining group leave."""
+        blocks = list(ordered_blocks)
+        self._pool_free_blocks(blocks)
+        drain = self._drain
+        if drain is None or drain.ready_step is not None:
+            return
+        freed = [
+            b.block_id for b in blocks if b.block_id in drain.blocks and self._in_free_queue(b)
+        ]
+        if freed:
+            self._take_out(freed)
+            self._sync_capacity()
 
     def abort_drain(self) -> tuple[int, ...]:
         """Splice every reclaimed block back into the free list; targets become active."""

@@ -31,6 +31,15 @@ class PolicyConfig:
         min_samples: measured steps at a level before its average replaces the model.
         drain_lag_steps: steps a fully drained group waits before it may be unmapped
             (async scheduling: a block freed at step N may be written by step N+1).
+        descend_under_pressure: also step down while requests wait, when the level below
+            serves more KV per ms (C_{k-1} / L_{k-1} > (1 + ``descend_margin``) · C_k / L_k,
+            with level k measured ``min_samples`` times). The seed's Algorithm 1 only climbs
+            under pressure, so a level that turns out to cost more than it gives stays until
+            the queue clears. The tier then drains as its requests finish (and as vLLM
+            preempts), with fewer blocks to admit meanwhile, instead of giving up when the free
+            list runs dry. Off by default: not yet measured in serving on a GPU.
+        descend_margin: how much more KV per ms the level below must serve (0.05 = 5%):
+            hysteresis against noise in the two estimates.
     """
 
     high_threshold: float = 0.90
@@ -44,6 +53,8 @@ class PolicyConfig:
     min_samples: int = 3
     mix_steps: int = 64
     drain_lag_steps: int = 2
+    descend_under_pressure: bool = False
+    descend_margin: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("high_threshold", "low_threshold"):
@@ -64,6 +75,8 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.drain_lag_steps < 0:
             raise ValueError(f"drain_lag_steps={self.drain_lag_steps} must be >= 0")
+        if self.descend_margin < 0:
+            raise ValueError(f"descend_margin={self.descend_margin} must be >= 0, e.g. 0.05")
         if self.estimator not in ("measured", "model"):
             raise ValueError(f"estimator={self.estimator!r}: use 'measured' or 'model'")
         if self.proxy not in ("decode", "model"):

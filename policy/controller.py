@@ -133,7 +133,15 @@ class OffloadController:
             groups = self.elastic.begin_grow(self.plan.tier_groups)
             return self._issue(step, self.level + 1, map_=groups)
         if target < self.level:
-            self.elastic.begin_shrink(self.plan.tier_groups, step)
+            under_pressure = self._decision == "down-pressure"
+            if under_pressure:
+                logger.info(
+                    "dynamic offload: level %d costs more time than its KV saves under "
+                    "pressure; draining to level %d",
+                    self.level,
+                    target,
+                )
+            self.elastic.begin_shrink(self.plan.tier_groups, step, hold=under_pressure)
             ready = self.elastic.take_ready(step)
             if ready:
                 return self._issue(step, self.level - 1, unmap=ready)

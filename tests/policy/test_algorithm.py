@@ -84,3 +84,37 @@ def test_warmup_visits_every_level_from_max_down() -> None:
     assert visited == [4, 3, 2, 1, 0]
     assert not policy.warming_up
     assert [estimator.measured(k) for k in range(5)] == [30.0, 31.0, 32.0, 33.0, 34.0]
+
+
+def test_under_pressure_a_measured_loss_steps_down_only_when_asked() -> None:
+    """The seed's rule climbs into an unmeasured level (L_2 unknown counts as L_1) and then,
+    with L_2 measured at 80 ms (C_2 / L_2 = 25 against C_1 / L_1 = 48 blocks/ms; level 3,
+    at 200 ms, is no climb), keeps it while requests wait. ``descend_under_pressure`` steps
+    back down once level 2 has its ``min_samples`` measurements, and then holds: L_2 is
+    known, so it does not climb again."""
+    for descend, expected in ((False, [2, 2, 2, 2]), (True, [1, 1, 1, 1])):
+        policy = make({0: 30.0, 1: 31.0, 3: 200.0}, descend_under_pressure=descend, min_samples=3)
+        assert run(policy, [HIGH] * 2) == [1, 2]  # explores up into the unknown
+        for _ in range(2):
+            policy.estimator.observe(2, 80.0, DECODE)
+        assert run(policy, [HIGH]) == [2]  # two samples of level 2: not yet judged
+        policy.estimator.observe(2, 80.0, DECODE)
+        decisions = [policy.decide(HIGH) for _ in range(4)]
+        assert [d.level for d in decisions] == expected
+        if descend:
+            down = decisions[0]
+            assert down.reason == "down-pressure"
+            assert down.proxy_current == 2000 / 80.0 and down.proxy_next == 1500 / 31.0
+            assert {d.reason for d in decisions[1:]} == {"hold"}
+
+
+def test_the_margin_keeps_a_near_tie_where_it_is() -> None:
+    """C_1 / L_1 = 1500 / 46 = 32.6 against C_0 / L_0 = 1000 / 30 = 33.3 blocks/ms: level 0
+    is 2% better, under the 5% margin, so level 1 stays; a 1% margin steps down. (Level 2,
+    at 200 ms, is no climb.)"""
+    for margin, expected in ((0.05, 1), (0.01, 0)):
+        policy = make({0: 30.0, 2: 200.0}, descend_under_pressure=True, descend_margin=margin)
+        assert run(policy, [HIGH]) == [1]
+        for _ in range(3):
+            policy.estimator.observe(1, 46.0, DECODE)
+        assert run(policy, [HIGH]) == [expected]

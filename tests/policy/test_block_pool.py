@@ -93,6 +93,45 @@ def test_abort_splices_reclaimed_blocks_back() -> None:
     assert elastic.invariant_violations() == []
 
 
+def test_a_held_drain_survives_a_dry_free_list_and_keeps_what_is_freed() -> None:
+    """Stepping down under pressure: the pool is full, so an ordinary drain would abort at
+    once. A held one does not. The freed blocks of the draining group leave the pool within
+    ``free_blocks`` itself, so an allocation right after (as in the same ``schedule()``,
+    where vLLM reuses what a preemption just freed) cannot take them back."""
+    manager = make_manager(8 * GROUPS)
+    pool = manager.block_pool
+    elastic = ElasticBlockPool(pool, layout(8 * GROUPS), active_groups=3, drain_lag_steps=1)
+    first = make_request(list(range(12 * BLOCK_SIZE)))  # blocks 1..12: groups 0 and 1
+    second = make_request(list(range(1000, 1000 + 11 * BLOCK_SIZE)))  # 13..23: groups 1, 2
+    assert manager.allocate_slots(first, 12 * BLOCK_SIZE) is not None
+    assert manager.allocate_slots(second, 11 * BLOCK_SIZE) is not None
+    assert pool.get_num_free_blocks() == 0
+
+    assert elastic.begin_shrink(1, step=0, hold=True) == (2,)
+    assert not elastic.should_abort()  # dry, but held
+    manager.free(second)  # frees 13..23; 16..23 are group 2's
+    assert pool.get_num_free_blocks() == 3  # 13..15 only: group 2's left at once
+    third = make_request(list(range(2000, 2000 + 3 * BLOCK_SIZE)))
+    assert manager.allocate_slots(third, 3 * BLOCK_SIZE) is not None
+    assert set(manager.get_block_ids(third.request_id)[0]) == {13, 14, 15}
+    assert pool.get_num_free_blocks() == 0 and not elastic.should_abort()
+    elastic.poll(step=1)
+    assert elastic.groups_in(GroupState.RECLAIMED) == [2]
+    assert elastic.take_ready(step=2) == (2,)
+    elastic.commit_shrink((2,))
+    assert pool.num_gpu_blocks == 16
+    assert elastic.invariant_violations() == []
+
+
+def test_an_unheld_drain_still_aborts_when_the_free_list_runs_dry() -> None:
+    manager = make_manager(8 * GROUPS)
+    elastic = ElasticBlockPool(manager.block_pool, layout(8 * GROUPS), active_groups=3)
+    request = make_request(list(range(23 * BLOCK_SIZE)))
+    assert manager.allocate_slots(request, 23 * BLOCK_SIZE) is not None
+    elastic.begin_shrink(1, step=0)
+    assert elastic.should_abort()
+
+
 class ElasticPoolMachine(RuleBasedStateMachine):
     """Random traffic and resizes against the real KVCacheManager."""
 
@@ -147,11 +186,11 @@ class ElasticPoolMachine(RuleBasedStateMachine):
             self.elastic.abort_grow(self.elastic.begin_grow(groups))
 
     @precondition(lambda self: not self.elastic.draining)
-    @rule(groups=st.integers(1, 2))
-    def shrink(self, groups: int) -> None:
+    @rule(groups=st.integers(1, 2), hold=st.booleans())
+    def shrink(self, groups: int, hold: bool) -> None:
         active = [g for g in self.elastic.groups_in(GroupState.ACTIVE) if g != 0]
         if len(active) >= groups:
-            self.elastic.begin_shrink(groups, self.step)
+            self.elastic.begin_shrink(groups, self.step, hold=hold)
 
     @rule(unmap_fails=st.booleans())
     def tick(self, unmap_fails: bool) -> None:

@@ -24,6 +24,7 @@ GIB = 1 << 30
         ({"warmup_samples": 0}, "warmup_samples must be >= 1"),
         ({"mix_steps": 0}, "mix_steps must be >= 1"),
         ({"drain_lag_steps": -2}, "drain_lag_steps=-2"),
+        ({"descend_margin": -0.1}, "descend_margin=-0.1 must be >= 0"),
         ({"estimator": "magic"}, "use 'measured' or 'model'"),
         ({"proxy": "tokens"}, "use 'decode' or 'model'"),
     ],

@@ -195,3 +195,48 @@ def test_model_proxy_prices_the_recent_steps_not_the_last_one(tmp_path) -> None:
     assert run(mix_steps=64) is None  # 63 decode steps + 1 prefill step: the copies show
     command = run(mix_steps=1)  # the prefill step alone: the copies hide
     assert command is not None and command.target_level == 1
+
+
+def test_a_level_measured_as_a_loss_drains_back_under_pressure(tmp_path) -> None:
+    """``descend_under_pressure``: the controller explores level 1 under a queue, measures
+    it at 4x the step time for 2x the KV, and steps back down while requests still wait. The
+    pool is full, so an ordinary drain would abort; this one holds until the request in the
+    tier finishes, then the tier is unmapped."""
+    policy = PolicyConfig(cooldown_steps=0, min_samples=3, descend_under_pressure=True)
+    plan = plan_capacity(
+        STRIDES, base_blocks=16, layer_bytes=LAYER_BYTES, max_level=1, page_size=PAGE
+    )
+    manager = make_manager(plan.num_blocks)
+    config = DynamicOffloadConfig(policy=policy, trace_path=str(tmp_path / "trace.jsonl"))
+    layout = KVLayout(plan.num_blocks, tuple(STRIDES), PAGE)
+    ctl = OffloadController(config, plan, layout, manager.block_pool)
+    for step in range(3):
+        ctl.on_report(StepReport(step, 0, 10.0, num_decode_tokens=4))
+    up = ctl.on_schedule_start(3, waiting=3, running=1)
+    assert up is not None and up.target_level == 1  # L_1 unknown: explore
+    ctl.on_report(ack(up, level=1))
+    request = make_request(list(range(31 * BLOCK_SIZE)))  # every block, the tier's included
+    assert manager.allocate_slots(request, 31 * BLOCK_SIZE) is not None
+    assert manager.block_pool.get_num_free_blocks() == 0
+    for step in range(4, 7):
+        ctl.on_report(StepReport(step, 1, 40.0, num_decode_tokens=4))
+
+    assert ctl.on_schedule_start(7, waiting=3, running=1) is None  # the drain starts
+    assert ctl.elastic.draining and ctl._decision == "down-pressure"
+    ctl.on_schedule_end(7)
+    assert ctl.elastic.draining  # held: not aborted for the dry free list
+    manager.free(request)
+    assert manager.block_pool.get_num_free_blocks() == 15  # the tier's 16 left at once
+    assert ctl.on_schedule_start(8, waiting=3, running=0) is None  # drained; the lag
+    assert ctl.on_schedule_start(9, waiting=3, running=0) is None
+    down = ctl.on_schedule_start(10, waiting=3, running=0)
+    assert down is not None and down.target_level == 0 and len(down.unmap_groups) == 2
+    ctl.on_report(ack(down, level=0))
+    assert ctl.level == 0 and manager.block_pool.num_gpu_blocks == 16
+    assert ctl.on_schedule_start(11, waiting=3, running=0) is None  # L_1 known: holds
+    assert ctl.elastic.invariant_violations() == []
+    ctl.trace.close()
+    events = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert [e["decision"] for e in events if e.get("step") == 7 and "decision" in e] == [
+        "down-pressure"
+    ]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from bench.common import read_results
 from bench.serving import timed_forward
+from dynoff.policy.algorithm import OffloadPolicy, Pressure
 from dynoff.policy.config import DynamicOffloadConfig, PolicyConfig
 from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepCost, StepShape
 
@@ -106,6 +107,29 @@ def test_a_level_over_the_saturated_mix_costs_more_time_than_it_adds_kv() -> Non
     l0, l1 = estimator.estimate(0, mix), estimator.estimate(1, mix)
     assert l0 is not None and l1 is not None
     assert l1 / l0 > capacity(1) / capacity(0) + 0.03
+
+
+def test_descending_under_pressure_brings_the_run_back_from_level_5() -> None:
+    """Where the run ended: level 5, requests waiting, every level 0..5 measured. Algorithm 1
+    as the seed has it holds there. With ``descend_under_pressure``, pricing the run's last
+    64 steps at each level, it steps down one level per decision to 0, and holds."""
+    levels = {}
+    for descend in (False, True):
+        estimator = model_estimator()
+        mix: deque[StepShape] = deque(maxlen=estimator.config.mix_steps)
+        for record in timed_steps(RUN):
+            estimator.observe(record["level"], record["forward_ms"], shape_of(record))
+            mix.append(shape_of(record))
+        assert min(estimator.samples(k) for k in range(6)) >= estimator.config.min_samples
+        config = PolicyConfig(
+            estimator="model", proxy="model", cooldown_steps=0, descend_under_pressure=descend
+        )
+        policy = OffloadPolicy(config, max_level=32, capacity_blocks=capacity, estimator=estimator)
+        policy.level = 5
+        queue = Pressure(waiting=10, kv_utilization=0.99, mix=tuple(mix))
+        levels[descend] = [policy.decide(queue).level for _ in range(7)]
+    assert levels[False] == [5] * 7
+    assert levels[True] == [4, 3, 2, 1, 0, 0, 0]
 
 
 def timed_steps(path: Path) -> list[dict]:

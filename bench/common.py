@@ -15,10 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 def machine_info() -> dict[str, Any]:
+    import torch  # here, not at module level: reading and plotting results needs no torch
+
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -235,7 +235,8 @@ def _bound(ours_exact: bool, theirs_exact: bool) -> str:
 
 def report(systems: dict[str, dict[str, Any]], regime: str) -> dict[str, Any]:
     top = {name: run["max_sustainable_rate"] for name, run in systems.items()}
-    exact = {name: knee_reached(run["rates"]) for name, run in systems.items()}
+    knees = {name: knee(run["rates"]) for name, run in systems.items()}
+    exact = {name: k is not None for name, k in knees.items()}
     first = next(iter(systems.values()))
     ours = top.get(OURS)
     return {
@@ -260,7 +261,7 @@ def report(systems: dict[str, dict[str, Any]], regime: str) -> dict[str, Any]:
             name: {
                 "max_sustainable_rate": run["max_sustainable_rate"],
                 "knee_reached": exact[name],
-                "knee": knee(run["rates"]),
+                "knee": knees[name],
                 "engine": run["engine"],
                 "levels_seen": sorted({r["level"] for r in run["trace"]}) if run["trace"] else None,
                 "kv_util_max": max((r["kv_util"] for r in run["trace"]), default=None),

@@ -18,9 +18,9 @@ STRIDES = [SPEC.page_size_bytes] * 4
 LAYER_BYTES = 8 * PAGE  # frees 8 pages = 2 groups of 4 pages
 
 
-def controller(tmp_path, schedule=(), num_ranks=1, policy=None):
+def controller(tmp_path, schedule=(), num_ranks=1, policy=None, max_level=2):
     plan = plan_capacity(
-        STRIDES, base_blocks=16, layer_bytes=LAYER_BYTES, max_level=2, page_size=PAGE
+        STRIDES, base_blocks=16, layer_bytes=LAYER_BYTES, max_level=max_level, page_size=PAGE
     )
     manager = make_manager(plan.num_blocks)
     config = DynamicOffloadConfig(
@@ -203,13 +203,7 @@ def test_a_level_measured_as_a_loss_drains_back_under_pressure(tmp_path) -> None
     pool is full, so an ordinary drain would abort; this one holds until the request in the
     tier finishes, then the tier is unmapped."""
     policy = PolicyConfig(cooldown_steps=0, min_samples=3, descend_under_pressure=True)
-    plan = plan_capacity(
-        STRIDES, base_blocks=16, layer_bytes=LAYER_BYTES, max_level=1, page_size=PAGE
-    )
-    manager = make_manager(plan.num_blocks)
-    config = DynamicOffloadConfig(policy=policy, trace_path=str(tmp_path / "trace.jsonl"))
-    layout = KVLayout(plan.num_blocks, tuple(STRIDES), PAGE)
-    ctl = OffloadController(config, plan, layout, manager.block_pool)
+    ctl, manager = controller(tmp_path, policy=policy, max_level=1)
     for step in range(3):
         ctl.on_report(StepReport(step, 0, 10.0, num_decode_tokens=4))
     up = ctl.on_schedule_start(3, waiting=3, running=1)

@@ -113,11 +113,11 @@ def test_descending_under_pressure_brings_the_run_back_from_level_5() -> None:
     """Where the run ended: level 5, requests waiting, every level 0..5 measured. Algorithm 1
     as the seed has it holds there. With ``descend_under_pressure``, pricing the run's last
     64 steps at each level, it steps down one level per decision to 0, and holds."""
-    levels = {}
+    steps, levels = timed_steps(RUN), {}
     for descend in (False, True):
         estimator = model_estimator()
         mix: deque[StepShape] = deque(maxlen=estimator.config.mix_steps)
-        for record in timed_steps(RUN):
+        for record in steps:
             estimator.observe(record["level"], record["forward_ms"], shape_of(record))
             mix.append(shape_of(record))
         assert min(estimator.samples(k) for k in range(6)) >= estimator.config.min_samples

@@ -23,6 +23,19 @@ Written against vLLM 0.26.0; ``tests/compile_pass/test_hacks.py`` fails if any c
    own split points (its attention and KV-cache update ops); vLLM then cuts the graph there,
    and Inductor compiles exactly stock vLLM's pieces.
    It acts only when the ops are in ``splitting_ops``: stock runs are untouched.
+
+The V2 model runner (``vllm/v1/worker/gpu/``, vLLM 0.26's default for Qwen3 and Llama) has
+its own two places:
+
+5. ``vllm.v1.worker.gpu.attn_utils._allocate_kv_cache(kv_cache_config, shared_layers,
+   device) -> {layer: int8 tensor}``, which ``attn_utils.init_kv_cache`` calls by name. The
+   worker swaps it for VMM-backed tensors for the duration of its own
+   ``initialize_from_config`` only (:func:`kv_allocation_v2`).
+6. ``CudaGraphManager.dispatch(num_reqs, num_tokens, uniform_token_count,
+   num_active_loras) -> BatchExecutionDescriptor``, chosen from the manager's
+   priority-ordered ``_candidates`` with ``_is_compatible``. While k > 0 the worker's wrapper
+   skips the FULL candidates (:func:`steer_cudagraph_manager`): the step replays the
+   piecewise graph of the same size, or runs compiled without graphs if there is none.
 """
 
 from __future__ import annotations
@@ -64,6 +77,55 @@ def steer_cudagraph_dispatch(dispatcher: Any, piecewise: Callable[[], bool]) -> 
         )
 
     dispatcher.dispatch = dispatch
+
+
+@contextlib.contextmanager
+def kv_allocation_v2(allocate: Callable[[Any], dict[str, torch.Tensor]]) -> Iterator[None]:
+    """While open, the V2 runner's ``init_kv_cache`` gets its raw KV tensors from
+    ``allocate(kv_cache_config)`` (process-wide; the worker opens it around its own
+    ``initialize_kv_cache`` call only)."""
+    import vllm.v1.worker.gpu.attn_utils as attn_utils
+
+    original = attn_utils._allocate_kv_cache
+
+    def _allocate_kv_cache(kv_cache_config: Any, shared_layers: Any, device: Any) -> Any:
+        del shared_layers, device  # the VMM tensors already live on this worker's device
+        return allocate(kv_cache_config)
+
+    attn_utils._allocate_kv_cache = _allocate_kv_cache
+    try:
+        yield
+    finally:
+        attn_utils._allocate_kv_cache = original
+
+
+def steer_cudagraph_manager(manager: Any, piecewise: Callable[[], bool]) -> None:
+    """V2 runner: while ``piecewise()``, never pick a FULL graph (this manager only)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor, _is_compatible
+
+    original = manager.dispatch
+
+    def dispatch(
+        num_reqs: int, num_tokens: int, uniform_token_count: int | None, num_active_loras: int
+    ) -> Any:
+        desc = original(num_reqs, num_tokens, uniform_token_count, num_active_loras)
+        if desc.cg_mode != CUDAGraphMode.FULL or not piecewise():
+            return desc
+        loras = desc.num_active_loras
+        for candidate in manager._candidates.get((num_tokens, loras), ()):
+            if candidate.cg_mode != CUDAGraphMode.FULL and _is_compatible(
+                candidate, num_reqs, num_tokens, uniform_token_count, loras
+            ):
+                return candidate
+        return BatchExecutionDescriptor(
+            cg_mode=CUDAGraphMode.NONE,
+            num_tokens=num_tokens,
+            num_reqs=num_reqs,
+            num_active_loras=loras,
+        )
+
+    manager.dispatch = dispatch
 
 
 def run_pass_before_fx_split(layer_pass: Callable[[Any, list[str]], None]) -> None:

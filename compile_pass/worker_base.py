@@ -66,6 +66,12 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
     return best
 
 
+def uses_v2_runner(vllm_config: Any) -> bool:
+    """vLLM's V2 model runner (``vllm/v1/worker/gpu/``): 0.26's default for Qwen3 and Llama
+    on CUDA; the CPU engine always runs the V1 runner."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
 STEERABLE_MODES = ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE")
 
 
@@ -149,11 +155,6 @@ class DynamicOffloadMixin:
     # -- start-up -----------------------------------------------------------------------------
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
-        if getattr(vllm_config, "use_v2_model_runner", False):
-            raise ValueError(
-                "dynamic offload supports vLLM's V1 model runner only (its KV allocation is "
-                "the one it can back with VMM); set VLLM_USE_V2_MODEL_RUNNER=0"
-            )
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("dynamic offload does not support pipeline parallelism yet")
         if not current_platform.is_cpu():
@@ -280,14 +281,33 @@ class DynamicOffloadMixin:
             state.runtime,
             sync,
         )
-        dispatcher = getattr(self.model_runner, "cudagraph_dispatcher", None)  # type: ignore[attr-defined]
+        runtime_ = state.runtime
+
+        def piecewise() -> bool:
+            return runtime_.level > 0 or runtime_.force_piecewise
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if uses_v2_runner(self.vllm_config):  # type: ignore[attr-defined]
+            with hacks.kv_allocation_v2(lambda _config: kv.tensors()):
+                super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
+            if runner.cudagraph_manager is not None:  # created by initialize_kv_cache
+                hacks.steer_cudagraph_manager(runner.cudagraph_manager, piecewise)
+            return
+        dispatcher = getattr(runner, "cudagraph_dispatcher", None)
         if dispatcher is not None and not current_platform.is_cpu():
-            runtime_ = state.runtime
-            hacks.steer_cudagraph_dispatch(
-                dispatcher, lambda: runtime_.level > 0 or runtime_.force_piecewise
-            )
-        hacks.route_kv_allocation(self.model_runner, lambda _config: kv.tensors())  # type: ignore[attr-defined]
+            hacks.steer_cudagraph_dispatch(dispatcher, piecewise)
+        hacks.route_kv_allocation(runner, lambda _config: kv.tensors())
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
+
+    def compile_or_warm_up_model(self) -> Any:
+        """vLLM's warm-up, then a clean slate: the V2 runner warms up through the worker's own
+        ``execute_model``, and those dummy steps are not the scheduler's."""
+        result = super().compile_or_warm_up_model()  # type: ignore[misc]
+        state = self._dynoff
+        state.step = -1
+        state.outcomes.clear()
+        state.timer = StepTimer(cuda=not current_platform.is_cpu())
+        return result
 
     # -- per step -----------------------------------------------------------------------------
     def execute_model(self, scheduler_output: Any) -> Any:

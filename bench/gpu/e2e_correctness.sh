@@ -3,7 +3,7 @@
 #   device run:  source /tmp/site/env.sh && bash bench/gpu/e2e_correctness.sh identity|live [--engines ...]
 # Builds the package if this machine has not yet, then runs bench.gpu.e2e_correctness.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 VLLM_USE_V2_MODEL_RUNNER=0
+export PYTHONUNBUFFERED=1
 phase="${1:-identity}"; shift || true
 [ -f /tmp/dynoff-env.sh ] || bash bench/gpu/build.sh > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 source /tmp/dynoff-env.sh

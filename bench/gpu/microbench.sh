@@ -5,7 +5,7 @@
 #                bash bench/gpu/microbench.sh llama-3.1-70b "1 2 4 8" --quantization fp8
 # Builds the package if this machine has not yet, then one engine sweeps the levels.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 VLLM_USE_V2_MODEL_RUNNER=0
+export PYTHONUNBUFFERED=1
 model="$1"; levels="$2"; shift 2
 [ -f /tmp/dynoff-env.sh ] || bash bench/gpu/build.sh > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 source /tmp/dynoff-env.sh

@@ -5,7 +5,7 @@
 # REGIME a = the whole H200 (gpu_memory_utilization 0.9), b = GH200-sized (0.62).
 # SYSTEM: stock | stock-piecewise | dynamic | static | prefetch (see bench/serving.py).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 VLLM_USE_V2_MODEL_RUNNER=0
+export PYTHONUNBUFFERED=1
 system="$1"; model="$2"; regime="$3"; workload="$4"; rates="$5"; shift 5
 case "$regime" in a) util=0.9 ;; b) util=0.62 ;; *) echo "regime must be a or b"; exit 2 ;; esac
 [ -f /tmp/dynoff-env.sh ] || bash bench/gpu/build.sh > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }

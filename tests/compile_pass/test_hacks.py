@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 import vllm
 
 from dynoff.compile_pass import hacks
@@ -79,3 +80,55 @@ def test_fx_split_signature_and_call_site() -> None:
     source = inspect.getsource(backends.VllmBackend.__call__)
     assert "split_graph(graph, fx_split_ops)" in source
     assert "fx_split_ops: list[str] = []" in source  # partition on: no FX split points
+
+
+def test_v2_kv_allocation_signature_call_site_and_swap() -> None:
+    import vllm.v1.worker.gpu.attn_utils as attn_utils
+
+    params = list(inspect.signature(attn_utils._allocate_kv_cache).parameters)
+    assert params == ["kv_cache_config", "shared_layers", "device"]
+    # init_kv_cache looks the allocator up by name in its module at call time.
+    source = inspect.getsource(attn_utils.init_kv_cache)
+    assert "kv_cache_raw_tensors = _allocate_kv_cache(" in source
+    original = attn_utils._allocate_kv_cache
+    tensors = {"layers.0.attn": torch.zeros(8, dtype=torch.int8)}
+    seen: list[object] = []
+    with hacks.kv_allocation_v2(lambda config: seen.append(config) or tensors):
+        assert attn_utils._allocate_kv_cache("config", {}, "cpu") is tensors
+    assert seen == ["config"]
+    assert attn_utils._allocate_kv_cache is original
+
+
+def _v2_manager(candidates: dict) -> object:
+    """vLLM's real V2 ``CudaGraphManager.dispatch`` over hand-made candidates (the manager's
+    constructor needs a whole engine; dispatch reads only these four attributes)."""
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    manager = object.__new__(CudaGraphManager)
+    manager._lora_dispatch_map, manager._max_lora_case = {}, 0  # type: ignore[attr-defined]
+    manager._graphs_captured = True  # type: ignore[attr-defined]
+    manager._candidates = candidates  # type: ignore[attr-defined]
+    return manager
+
+
+def test_v2_dispatch_signature_and_steering() -> None:
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor, CudaGraphManager
+
+    params = list(inspect.signature(CudaGraphManager.dispatch).parameters)
+    assert params == ["self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"]
+    full = BatchExecutionDescriptor(CUDAGraphMode.FULL, 8, 8, uniform_token_count=1)
+    pw = BatchExecutionDescriptor(CUDAGraphMode.PIECEWISE, 8, None)
+    # FULL_AND_PIECEWISE: a size's candidates are its FULL decode graph, then its piecewise one.
+    manager = _v2_manager({(n, 0): [full, pw] for n in range(1, 9)})
+    level = [0]
+    hacks.steer_cudagraph_manager(manager, lambda: level[0] > 0)
+    assert manager.dispatch(6, 6, 1, 0) == full  # type: ignore[attr-defined]  # k = 0: FULL
+    assert manager.dispatch(2, 6, None, 0) == pw  # type: ignore[attr-defined]  # a mixed step
+    level[0] = 1
+    assert manager.dispatch(6, 6, 1, 0) == pw  # type: ignore[attr-defined]  # k > 0: piecewise
+    # FULL-only candidates (no piecewise graph of that size): run compiled, without graphs.
+    only_full = _v2_manager({(n, 0): [full] for n in range(1, 9)})
+    hacks.steer_cudagraph_manager(only_full, lambda: True)
+    desc = only_full.dispatch(6, 6, 1, 0)  # type: ignore[attr-defined]
+    assert desc.cg_mode == CUDAGraphMode.NONE and (desc.num_tokens, desc.num_reqs) == (6, 6)

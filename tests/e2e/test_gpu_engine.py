@@ -1,8 +1,7 @@
 """vLLM's GPU engine with the plugin against stock vLLM (Qwen3-8B, dummy weights), on the GPU
 machine after the staging calls (``../shared/gpu/README.md``):
 
-    source /tmp/site/env.sh && VLLM_USE_V2_MODEL_RUNNER=0 python3 -m pytest -m gpu \\
-        tests/e2e/test_gpu_engine.py
+    source /tmp/site/env.sh && python3 -m pytest -m gpu tests/e2e/test_gpu_engine.py
 
 Three engines over the same 256 requests (``bench.gpu.e2e_correctness``, one process each):
 stock vLLM with its default graph mode, the plugin held at k = 0, and the plugin forced
@@ -37,8 +36,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cmd = [sys.executable, "-m", "bench.gpu.e2e_correctness", "--model", str(MODEL)]
     cmd += ["--out", str(out), "--engines", "stock", "k0", "forced", "--repeats", "1"]
     cmd += ["--max-level", str(MAX_LEVEL), "--workdir", str(tmp / "work")]
-    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     failed = {m: e["error"][-500:] for m, e in result["engines"].items() if "error" in e}

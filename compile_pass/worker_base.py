@@ -33,7 +33,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, M
 
 from dynoff.allocator import VmmArena
 from dynoff.allocator.kv_cache import VmmKVCache
-from dynoff.compile_pass import hacks, runtime
+from dynoff.compile_pass import calibrate, hacks, runtime
 from dynoff.compile_pass.config import Route, compile_route
 from dynoff.compile_pass.fx_pass import LAYER_PREFETCH_PASS
 from dynoff.compile_pass.levels import LevelChanger, gather_outcomes
@@ -46,6 +46,7 @@ from dynoff.policy.geometry import recover_plan
 from dynoff.policy.messages import (
     RUNNER_OUTPUT_ATTR,
     SCHEDULER_OUTPUT_ATTR,
+    Calibration,
     ResizeOutcome,
     StepReport,
 )
@@ -142,6 +143,7 @@ class _State:
     levels: LevelChanger | None = None
     outcomes: list[ResizeOutcome] = dataclasses.field(default_factory=list)
     step: int = -1
+    calibration: Calibration | None = None  # sent once, on the next report
     timer: StepTimer = dataclasses.field(
         default_factory=lambda: StepTimer(cuda=not current_platform.is_cpu())
     )
@@ -307,6 +309,39 @@ class DynamicOffloadMixin:
         state.step = -1
         state.outcomes.clear()
         state.timer = StepTimer(cuda=not current_platform.is_cpu())
+        state.calibration = self._calibrate()
+        return result
+
+    def _calibrate(self) -> Calibration | None:
+        """Measure the link, the piecewise penalty and a level change (see
+        :mod:`.calibrate`); on failure the policy prices with the configured figures."""
+        state = self._dynoff
+        assert state.levels is not None and state.plan is not None
+        cuda = not current_platform.is_cpu()
+        runner = self.model_runner  # type: ignore[attr-defined]
+        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        run_decode = None
+        if cuda and vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs():
+            run_decode = lambda batch: runner._dummy_run(batch, uniform_decode=True)  # noqa: E731
+        max_batch = min(
+            vllm_config.scheduler_config.max_num_seqs,
+            vllm_config.compilation_config.max_cudagraph_capture_size or 1,
+        )
+        started = time.perf_counter()
+        try:
+            result = calibrate.calibrate(state.levels, state.plan, run_decode, max_batch, cuda)
+        except Exception as exc:  # serving goes on, priced with the configured figures
+            logger.warning(
+                "dynamic offload: calibration failed (%s); using the configured "
+                "h2d_GBps and piecewise_penalty_ms",
+                exc,
+            )
+            return None
+        logger.info(
+            "dynamic offload: calibrated in %.1f s: %s",
+            time.perf_counter() - started,
+            calibrate.describe(result),
+        )
         return result
 
     # -- per step -----------------------------------------------------------------------------
@@ -342,7 +377,9 @@ class DynamicOffloadMixin:
             timed.decode_tokens,
             timed.prefill_tokens,
             tuple(outcomes),
+            state.calibration,
         )
+        state.calibration = None
         if isinstance(output, AsyncModelRunnerOutput):
             inner = output.get_output
             output.get_output = lambda: with_report(inner(), report)  # type: ignore[method-assign]

@@ -1,4 +1,6 @@
-"""Algorithm 1 of the seed: the per-step offloading decision, with cooldown and warm-up.
+"""The per-step offloading decision: the seed's Algorithm 1, and the priced rule (default).
+
+Rule ``seed``, Algorithm 1 as the seed has it, with cooldown and warm-up:
 
     if cooldown > 0:               cooldown -= 1; hold
     elif waiting > 0 or U > τ_h:   if k < M and C_{k+1}/L_{k+1} > C_k/L_k: k += 1; cooldown = C
@@ -19,6 +21,24 @@ copies hide, would raise k and then pay the copies on every decode step after it
 An unknown L_{k+1} (never measured, no model) counts as equal to L_k, so the policy explores
 upward under pressure, as the seed's "start at M and adjust reactively" does.
 
+Rule ``priced`` (the default) keeps the thresholds and the cooldown and changes what a
+climb must show, so that a level which does not pay is not tried (on a 55 GB/s PCIe link a
+Qwen3-32B layer copies in 17.7 ms against a 25-40 ms decode step: almost never):
+
+    under pressure:  if level k measured as a loss (the audit): k -= 1     ("down-loss")
+                     elif k < M, k+1 not backed off, and
+                          C_{k+1} / (L_{k+1} + (S_up + S_down) / H) > (1 + m) · C_k / L_k:
+                          k += 1
+                     [elif descend_under_pressure ...: k -= 1]
+    low pressure:    as the seed
+
+L comes from the latency model over the recent step mix (exposed copies and the piecewise
+penalty included), S from :class:`~dynoff.policy.pricing.SwitchCost`, H is the cooldown or
+the pressure episode's length so far, whichever is longer, and m is ``climb_margin`` or,
+unset, the measured noise of the proxy (:func:`~dynoff.policy.pricing.noise_margin`). An
+unknown L_{k+1} holds: nothing is explored on a guess. The controller audits every climb
+(:mod:`dynoff.policy.audit`) and reports a loss through :meth:`OffloadPolicy.lost`.
+
 Warm-up (optional, the seed's): start at M and step down one level each time the current
 level has ``warmup_samples`` decode-only measurements, until level 0 is measured.
 """
@@ -28,8 +48,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from dynoff.policy.audit import Backoff
 from dynoff.policy.config import PolicyConfig
 from dynoff.policy.latency import LatencyEstimator, StepShape
+from dynoff.policy.pricing import SwitchCost, noise_margin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +61,16 @@ class Pressure:
     waiting: int
     kv_utilization: float
     mix: tuple[StepShape, ...] = ()  # recent steps' compositions, oldest first
+    step: int = 0  # the scheduler step (back-offs count in steps)
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     level: int
-    reason: str  # "cooldown", "up", "down", "down-pressure", "hold", "warmup", "warmup-done"
+    reason: str  # cooldown, up, down, down-pressure, down-loss, hold, warmup, warmup-done
     proxy_current: float | None = None
-    proxy_next: float | None = None
+    proxy_next: float | None = None  # priced: with the switching stall amortised
+    margin: float | None = None  # priced: what the climb had to clear
 
 
 class OffloadPolicy:
@@ -73,6 +97,10 @@ class OffloadPolicy:
         self.warming_up = config.warmup and max_level > 0
         self.level = max_level if self.warming_up else 0
         self.cooldown = 0
+        self.switch = SwitchCost()
+        self.backoff = Backoff(config.loss_backoff_steps)
+        self.episode = 0  # consecutive decisions under pressure
+        self._lost: int | None = None  # a level the audit measured as a loss
 
     def proxy(self, level: int, mix: tuple[StepShape, ...]) -> float | None:
         """E[T_k] = C_k / L_k (blocks per ms)."""
@@ -82,14 +110,69 @@ class OffloadPolicy:
         return self.capacity_blocks(level) / latency
 
     def decide(self, pressure: Pressure) -> Decision:
-        """One step of Algorithm 1; updates and returns the level."""
+        """One decision of the configured rule; updates and returns the level."""
+        high = pressure.waiting > 0 or pressure.kv_utilization > self.config.high_threshold
+        self.episode = self.episode + 1 if high else 0
         if self.warming_up:
             return self._warmup_step()
         if self.cooldown > 0:
             self.cooldown -= 1
             return Decision(self.level, "cooldown")
+        if self.config.rule == "priced":
+            return self._priced(pressure, high)
+        return self._seed(pressure, high)
+
+    def lost(self, level: int, step: int) -> int:
+        """The audit measured ``level`` as a loss: leave it at the next decision, and keep
+        out of it for the back-off. Returns the step it may be tried again."""
+        if level == self.level:
+            self._lost = level
+        return self.backoff.lost(level, step)
+
+    def paid(self, level: int) -> None:
+        self.backoff.paid(level)
+
+    def margin(self, mix_size: int) -> float:
         cfg = self.config
-        if pressure.waiting > 0 or pressure.kv_utilization > cfg.high_threshold:
+        if cfg.climb_margin is not None:
+            return cfg.climb_margin
+        return noise_margin(self.estimator.fit.relative_rms(), mix_size, cfg.min_climb_margin)
+
+    def priced_next(self, mix: tuple[StepShape, ...]) -> float | None:
+        """C_{k+1} / (L_{k+1} + (S_up + S_down) / H), or None while L is unknown."""
+        nxt = self.estimator.estimate(self.level + 1, mix)
+        now = self.estimator.estimate(self.level, mix)
+        if nxt is None or now is None or nxt <= 0:
+            return None
+        horizon = max(self.config.cooldown_steps, self.episode, 1)
+        nxt += self.switch.round_trip_ms(now) / horizon
+        return self.capacity_blocks(self.level + 1) / nxt
+
+    def _priced(self, pressure: Pressure, high: bool) -> Decision:
+        cfg = self.config
+        if high:
+            if self._lost == self.level and self.level > 0:
+                self._lost = None
+                return self._move(-1, "down-loss")
+            mix = pressure.mix
+            current = self.proxy(self.level, mix)
+            nxt, margin = None, self.margin(len(mix))
+            blocked = self.backoff.blocked(self.level + 1, pressure.step)
+            if current is not None and self.level < self.max_level and not blocked:
+                nxt = self.priced_next(mix)
+                if nxt is not None and nxt > current * (1 + margin):
+                    return self._move(+1, "up", current, nxt, margin)
+            below = self._better_below(mix, current)
+            if below is not None:
+                return self._move(-1, "down-pressure", current, below)
+            return Decision(self.level, "hold", current, nxt, margin)
+        if pressure.kv_utilization < cfg.low_threshold and self.level > 0:
+            return self._move(-1, "down")
+        return Decision(self.level, "hold")
+
+    def _seed(self, pressure: Pressure, high: bool) -> Decision:
+        cfg = self.config
+        if high:
             current = self.proxy(self.level, pressure.mix)
             nxt = None
             if self.level < self.max_level:
@@ -126,11 +209,16 @@ class OffloadPolicy:
         return nxt
 
     def _move(
-        self, delta: int, reason: str, current: float | None = None, nxt: float | None = None
+        self,
+        delta: int,
+        reason: str,
+        current: float | None = None,
+        nxt: float | None = None,
+        margin: float | None = None,
     ) -> Decision:
         self.level += delta
         self.cooldown = self.config.cooldown_steps
-        return Decision(self.level, reason, current, nxt)
+        return Decision(self.level, reason, current, nxt, margin)
 
     def _warmup_step(self) -> Decision:
         if self.estimator.samples(self.level) < self.config.warmup_samples:
@@ -144,3 +232,5 @@ class OffloadPolicy:
     def revert(self, level: int) -> None:
         """A level change failed on the workers: serve on at ``level``."""
         self.level = level
+        if self._lost is not None and self._lost != level:
+            self._lost = None

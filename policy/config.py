@@ -8,13 +8,28 @@ from typing import Any, Literal
 
 Estimator = Literal["measured", "model"]
 Proxy = Literal["decode", "model"]
+Rule = Literal["priced", "seed"]
+
+# What each rule runs with when estimator / proxy are left unset.
+RULE_DEFAULTS: dict[str, tuple[Estimator, Proxy]] = {
+    "priced": ("model", "model"),
+    "seed": ("measured", "decode"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
-    """Parameters of Algorithm 1 and its estimators.
+    """Parameters of the offload policy and its estimators.
 
     Attributes:
+        rule: ``"priced"`` (default): climb only when the completely priced next level (its
+            exposed copies and piecewise penalty through the latency model, and the stall
+            of changing in and out amortised over the hold horizon) beats the current one
+            by ``climb_margin``; audit each climb by the tokens per second it served, and
+            leave a level that measured as a loss, with a growing back-off
+            (:mod:`dynoff.policy.pricing`, :mod:`dynoff.policy.audit`). ``"seed"``: the
+            seed's Algorithm 1 as written (an unmeasured level counts as free, so it
+            explores upward under any queue).
         high_threshold: τ_h. KV utilisation above it (or any waiting request) is high pressure.
         low_threshold: τ_l. No waiting request and utilisation below it is low pressure.
         cooldown_steps: C. Steps after a level change during which no decision is taken.
@@ -22,8 +37,10 @@ class PolicyConfig:
         warmup: start at M and step down one level at a time, measuring each level.
         warmup_samples: decode-only steps averaged at each level during warm-up.
         estimator: where L_k comes from: ``"measured"`` (the seed's per-level averages) or
-            ``"model"`` (the link-aware latency model, refined by measurements).
-        proxy: ``"decode"`` (the seed's C_k / L_k on decode-only steps) or ``"model"``
+            ``"model"`` (the link-aware latency model, refined by measurements). Unset: the
+            rule's (``model`` for ``priced``, ``measured`` for ``seed``).
+        proxy: unset: the rule's (``model`` for ``priced``, ``decode`` for ``seed``).
+            ``"decode"`` (the seed's C_k / L_k on decode-only steps) or ``"model"``
             (C_k / L_k with L_k the mean predicted step time over the last ``mix_steps``
             steps' compositions: the work a level will be held over, not one step).
         mix_steps: how many recent steps the ``model`` proxy prices (decode-only and
@@ -40,6 +57,15 @@ class PolicyConfig:
             list runs dry. Off by default: not yet measured in serving on a GPU.
         descend_margin: how much more KV per ms the level below must serve (0.05 = 5%):
             hysteresis against noise in the two estimates.
+        climb_margin: ``priced``: how much more KV per ms the next level must serve. Unset:
+            from the measured noise of the proxy (twice the standard error of the latency
+            fit's mean over the mix), at least ``min_climb_margin``.
+        min_climb_margin: the floor of the measured margin (0.01: a +0.3% edge never climbs).
+        audit_window_steps: ``priced``: steps compared before and after each climb.
+        audit_settle_steps: steps skipped after a climb before its window opens.
+        audit_tolerance: the smallest relative drop in tokens per second called a loss.
+        loss_backoff_steps: after a level measured as a loss, steps before it may be tried
+            again; doubled with each further loss at that level.
     """
 
     high_threshold: float = 0.90
@@ -48,15 +74,29 @@ class PolicyConfig:
     max_level: int | None = None
     warmup: bool = False
     warmup_samples: int = 3
-    estimator: Estimator = "measured"
-    proxy: Proxy = "decode"
+    rule: Rule = "priced"
+    estimator: Estimator | None = None
+    proxy: Proxy | None = None
     min_samples: int = 3
     mix_steps: int = 64
     drain_lag_steps: int = 2
     descend_under_pressure: bool = False
     descend_margin: float = 0.05
+    climb_margin: float | None = None
+    min_climb_margin: float = 0.01
+    audit_window_steps: int = 100
+    audit_settle_steps: int = 10
+    audit_tolerance: float = 0.02
+    loss_backoff_steps: int = 1000
 
     def __post_init__(self) -> None:
+        if self.rule not in RULE_DEFAULTS:
+            raise ValueError(f"rule={self.rule!r}: use 'priced' (default) or 'seed'")
+        estimator, proxy = RULE_DEFAULTS[self.rule]
+        if self.estimator is None:
+            object.__setattr__(self, "estimator", estimator)
+        if self.proxy is None:
+            object.__setattr__(self, "proxy", proxy)
         for name in ("high_threshold", "low_threshold"):
             value = getattr(self, name)
             if not 0.0 < value < 1.0:
@@ -70,13 +110,18 @@ class PolicyConfig:
             raise ValueError(f"cooldown_steps={self.cooldown_steps} must be >= 0")
         if self.max_level is not None and self.max_level < 0:
             raise ValueError(f"max_level={self.max_level} must be >= 0 (or None for N/2)")
-        for name in ("warmup_samples", "min_samples", "mix_steps"):
+        for name in ("warmup_samples", "min_samples", "mix_steps", "audit_window_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.drain_lag_steps < 0:
             raise ValueError(f"drain_lag_steps={self.drain_lag_steps} must be >= 0")
-        if self.descend_margin < 0:
-            raise ValueError(f"descend_margin={self.descend_margin} must be >= 0, e.g. 0.05")
+        for name in ("descend_margin", "min_climb_margin", "audit_tolerance"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0, e.g. 0.05")
+        if self.climb_margin is not None and self.climb_margin < 0:
+            raise ValueError(f"climb_margin={self.climb_margin} must be >= 0 (or unset)")
+        if self.audit_settle_steps < 0 or self.loss_backoff_steps < 0:
+            raise ValueError("audit_settle_steps and loss_backoff_steps must be >= 0")
         if self.estimator not in ("measured", "model"):
             raise ValueError(f"estimator={self.estimator!r}: use 'measured' or 'model'")
         if self.proxy not in ("decode", "model"):
@@ -125,10 +170,11 @@ class DynamicOffloadConfig:
         host_page_size: page size of the host VMM backend (CPU runs); CUDA uses 2 MiB.
         layer_bytes: bytes of one decoder layer's weights; ``None`` = computed from the
             model config (the worker checks it against the real parameters).
-        h2d_GBps: host-to-device bandwidth for the ``model`` estimator (53 GB/s measured on
-            the H200's PCIe Gen5 link, ``bench/results/prefetch_h200.json``).
+        h2d_GBps: host-to-device bandwidth for the ``model`` estimator. Unset (default):
+            measured at start-up on the running engine (:mod:`dynoff.compile_pass.calibrate`);
+            set it only to override the measurement.
         piecewise_penalty_ms: extra step time of the piecewise path while k > 0, for the
-            ``model`` estimator (8.3 ms on Qwen3-8B at batch 128 on the H200).
+            ``model`` estimator. Unset (default): measured at start-up.
         measure_transfers: time every prefetch copy with CUDA events (benchmarks; read with
             ``LLM.collective_rpc("dynoff_stats")``). Off in serving: it adds two events per copy.
     """
@@ -139,8 +185,8 @@ class DynamicOffloadConfig:
     level_file: str | None = None
     host_page_size: int = 2 << 20
     layer_bytes: int | None = None
-    h2d_GBps: float = 53.0
-    piecewise_penalty_ms: float = 0.0
+    h2d_GBps: float | None = None
+    piecewise_penalty_ms: float | None = None
     measure_transfers: bool = False
 
     KEY = "dynamic_offload"
@@ -152,8 +198,12 @@ class DynamicOffloadConfig:
                 "level_schedule must be [[step, level], ...] with increasing steps and "
                 f"non-negative levels, got {list(self.level_schedule)}"
             )
-        if self.h2d_GBps <= 0 or self.piecewise_penalty_ms < 0:
-            raise ValueError("h2d_GBps must be > 0 and piecewise_penalty_ms >= 0")
+        if self.h2d_GBps is not None and self.h2d_GBps <= 0:
+            raise ValueError(f"h2d_GBps={self.h2d_GBps} must be > 0 (or unset: measured)")
+        if self.piecewise_penalty_ms is not None and self.piecewise_penalty_ms < 0:
+            raise ValueError(
+                f"piecewise_penalty_ms={self.piecewise_penalty_ms} must be >= 0 (or unset)"
+            )
         if self.host_page_size <= 0 or self.host_page_size % 4096:
             raise ValueError(f"host_page_size={self.host_page_size} must be a multiple of 4096")
 

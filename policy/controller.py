@@ -9,6 +9,13 @@ step the scheduler calls, in order::
     ... the command rides on SchedulerOutput to every worker ...
     controller.on_report(report)                                      # acks, latencies
 
+With the ``priced`` rule the controller also prices level changes (the stall each measured
+change cost, :class:`~dynoff.policy.pricing.SwitchCost`), audits every climb by the tokens
+per second served before and after it (:class:`~dynoff.policy.audit.ChangeAudit`), and
+takes the link bandwidth and piecewise penalty from the workers' start-up calibration
+(:class:`~dynoff.policy.messages.Calibration`, on the first report) unless the
+configuration sets them.
+
 Level changes move one level per command. Raising k: the command carries the tier's groups
 to map (the workers alias the partner layer and map the freed pages); their blocks become
 allocatable only once every rank acknowledges (two-phase). Lowering k: the tier drains
@@ -20,18 +27,24 @@ they were, and serving continues.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from vllm.v1.core.block_pool import BlockPool
 
-from dynoff.policy.algorithm import OffloadPolicy, Pressure
+from dynoff.policy.algorithm import Decision, OffloadPolicy, Pressure
+from dynoff.policy.audit import ChangeAudit, Verdict
 from dynoff.policy.block_pool import CapacityPlan, ElasticBlockPool, KVLayout
 from dynoff.policy.config import DynamicOffloadConfig
 from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepCost, StepShape
-from dynoff.policy.messages import OffloadCommand, ResizeOutcome, StepReport
+from dynoff.policy.messages import Calibration, OffloadCommand, ResizeOutcome, StepReport
 from dynoff.policy.trace import TraceWriter, trace_range
 
 logger = logging.getLogger("vllm.dynoff.policy")
+
+# Until the workers' calibration arrives (or if it failed): the H200's PCIe Gen5 figures.
+FALLBACK_H2D_GBPS = 53.0
+FALLBACK_PIECEWISE_PENALTY_MS = 0.0
 
 
 class OffloadController:
@@ -52,6 +65,13 @@ class OffloadController:
         self.elastic = ElasticBlockPool(
             block_pool, layout, plan.groups_at(0), config.policy.drain_lag_steps
         )
+        self.h2d_GBps = config.h2d_GBps or FALLBACK_H2D_GBPS
+        self.piecewise_penalty_ms = (
+            FALLBACK_PIECEWISE_PENALTY_MS
+            if config.piecewise_penalty_ms is None
+            else config.piecewise_penalty_ms
+        )
+        self.calibration: Calibration | None = None
         calibrate = None
         if num_layers is not None and layer_bytes is not None:
 
@@ -59,9 +79,9 @@ class OffloadController:
                 return OffloadCostModel.from_step_cost(
                     num_layers,
                     layer_bytes,
-                    config.h2d_GBps * 1e9,
+                    self.h2d_GBps * 1e9,
                     cost,
-                    piecewise_penalty_ms=config.piecewise_penalty_ms,
+                    piecewise_penalty_ms=self.piecewise_penalty_ms,
                 )
 
         self.estimator = LatencyEstimator(config.policy, model, calibrate)
@@ -76,12 +96,24 @@ class OffloadController:
         self._next_id = 0
         self._mix: deque[StepShape] = deque(maxlen=config.policy.mix_steps)
         self._decision = "hold"
+        self._last: Decision | None = None
+        policy = config.policy
+        self.audit = (
+            ChangeAudit(
+                policy.audit_window_steps, policy.audit_settle_steps, policy.audit_tolerance
+            )
+            if policy.rule == "priced"
+            else None
+        )
+        self._pressured = False
 
     # -- per step -----------------------------------------------------------------------------
     def on_schedule_start(self, step: int, waiting: int, running: int) -> OffloadCommand | None:
         self.elastic.poll(step)
         if self.elastic.should_abort():
             self._abort_drain(step)
+        policy = self.config.policy
+        self._pressured = waiting > 0 or self.elastic.pool.get_usage() > policy.high_threshold
         command = None
         if self.inflight is None:
             ready = self.elastic.take_ready(step)
@@ -93,11 +125,64 @@ class OffloadController:
         self._record(step, waiting, running)
         return command
 
-    def on_schedule_end(self, step: int) -> None:
+    def on_schedule_end(self, step: int, tokens: int = 0) -> None:
+        """After vLLM's schedule: ``tokens`` it scheduled this step (for the audit)."""
         if self.elastic.should_abort():
             self._abort_drain(step)
+        if self.audit is not None:
+            verdict = self.audit.observe(time.monotonic(), tokens, self._pressured)
+            if verdict is not None:
+                self._judge(step, verdict)
+
+    def _judge(self, step: int, verdict: Verdict) -> None:
+        self.trace.event(
+            "audit",
+            step=step,
+            level=verdict.level,
+            from_level=verdict.from_level,
+            loss=verdict.loss,
+            tokens_per_s_before=round(verdict.before.tokens_per_s, 1),
+            tokens_per_s_after=round(verdict.after.tokens_per_s, 1),
+        )
+        if not verdict.loss:
+            self.policy.paid(verdict.level)
+            return
+        retry = self.policy.lost(verdict.level, step)
+        logger.info(
+            "dynamic offload: level %d served %.0f tokens/s against %.0f at level %d before "
+            "the climb (%.1f%%): a loss; leaving it, and not climbing into it before step %d",
+            verdict.level,
+            verdict.after.tokens_per_s,
+            verdict.before.tokens_per_s,
+            verdict.from_level,
+            (verdict.ratio - 1) * 100,
+            retry,
+        )
+
+    def _use_calibration(self, cal: Calibration) -> None:
+        """The workers measured this machine: price with it, except what the user set."""
+        self.calibration = cal
+        if self.config.h2d_GBps is None and cal.h2d_GBps > 0:
+            self.h2d_GBps = cal.h2d_GBps
+        if self.config.piecewise_penalty_ms is None:
+            self.piecewise_penalty_ms = cal.piecewise_penalty_ms
+        self.policy.switch.calibrate(cal.stall_up_ms, cal.stall_down_ms)
+        self.estimator.recalibrate()
+        self.trace.event(
+            "calibration",
+            h2d_GBps=round(cal.h2d_GBps, 2),
+            layer_copy_ms=round(cal.layer_copy_ms, 3),
+            piecewise_penalty_ms=round(cal.piecewise_penalty_ms, 3),
+            decode_steps=[list(row) for row in cal.decode_steps],
+            stall_up_ms=round(cal.stall_up_ms, 2),
+            stall_down_ms=round(cal.stall_down_ms, 2),
+            priced_h2d_GBps=round(self.h2d_GBps, 2),
+            priced_piecewise_penalty_ms=round(self.piecewise_penalty_ms, 3),
+        )
 
     def on_report(self, report: StepReport) -> None:
+        if report.calibration is not None:
+            self._use_calibration(report.calibration)
         if report.timed:
             shape = StepShape(report.num_decode_tokens, report.num_prefill_tokens)
             self._mix.append(shape)
@@ -127,14 +212,14 @@ class OffloadController:
             self._decision = "forced"
         else:
             usage = self.elastic.pool.get_usage()
-            decision = self.policy.decide(Pressure(waiting, usage, tuple(self._mix)))
-            target, self._decision = decision.level, decision.reason
+            decision = self.policy.decide(Pressure(waiting, usage, tuple(self._mix), step))
+            target, self._decision, self._last = decision.level, decision.reason, decision
         if target > self.level:
             groups = self.elastic.begin_grow(self.plan.tier_groups)
             return self._issue(step, self.level + 1, map_=groups)
         if target < self.level:
-            under_pressure = self._decision == "down-pressure"
-            if under_pressure:
+            under_pressure = self._decision in ("down-pressure", "down-loss")
+            if self._decision == "down-pressure":
                 logger.info(
                     "dynamic offload: level %d costs more time than its KV saves under "
                     "pressure; draining to level %d",
@@ -170,6 +255,13 @@ class OffloadController:
             self.elastic.commit_grow(command.map_groups)
             self.elastic.commit_shrink(command.unmap_groups)
             slowest = max(outcomes, key=lambda o: o.remap_ms)  # the rank everyone waited for
+            direction = 1 if command.target_level > self.level else -1
+            self.policy.switch.observe(direction, slowest.remap_ms)
+            if self.audit is not None:
+                if direction > 0:
+                    self.audit.climbed(self.level, command.target_level)
+                else:
+                    self.audit.cancel()
             self.trace.event(
                 "level_change",
                 step=step,
@@ -235,4 +327,15 @@ class OffloadController:
             inflight=self.inflight.command_id if self.inflight else None,
             decision=self._decision,
             latency_ms=latency,
+            **self._priced_fields(),
         )
+
+    def _priced_fields(self) -> dict[str, float]:
+        """What the last priced decision weighed (trace only)."""
+        last = self._last
+        if last is None or last.margin is None or last.proxy_current is None:
+            return {}
+        fields = {"proxy": round(last.proxy_current, 4), "margin": round(last.margin, 4)}
+        if last.proxy_next is not None:
+            fields["proxy_next"] = round(last.proxy_next, 4)
+        return fields

@@ -91,6 +91,14 @@ class StepTimeFit:
         self._xtx = [[0.0] * 3 for _ in range(3)]
         self._xty = [0.0] * 3
         self._yty = 0.0
+        self._rss: float | None = None  # of the last solve, in relative error squared
+
+    def relative_rms(self) -> float | None:
+        """Root-mean-square relative error of single steps against the last solved fit (the
+        scatter the policy's climb margin is measured from), or None before a solve."""
+        if self._rss is None or self.count < 2:
+            return None
+        return (max(self._rss, 0.0) / self.count) ** 0.5
 
     def observe(self, shape: StepShape, ms: float) -> None:
         if ms <= 0:
@@ -128,6 +136,7 @@ class StepTimeFit:
                 best = (rss, coef)
         if best is None:
             return None
+        self._rss = best[0]
         intercept, per_decode, per_prefill = best[1]
         return StepCost(max(intercept, 0.0), per_decode, per_prefill)
 
@@ -317,6 +326,12 @@ class LatencyEstimator:
             self._sum[level] += forward_ms
             self._count[level] += 1
             self._last_decode_shape = shape
+
+    def recalibrate(self) -> None:
+        """The link figures changed (the workers' calibration): rebuild the model from the
+        fit so far."""
+        if self._calibrate is not None and self.fit.count >= self.config.min_samples:
+            self._refit()
 
     def _refit(self) -> None:
         assert self._calibrate is not None

@@ -61,6 +61,29 @@ class ResizeOutcome:
 
 
 @dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What rank 0 measured on the running engine before serving
+    (:mod:`dynoff.compile_pass.calibrate`); it rides on the first :class:`StepReport`.
+
+    Attributes:
+        h2d_GBps: one layer's host-to-device copy, GB/s (0 when nothing is offloadable).
+        layer_copy_ms: that copy's time, ms.
+        piecewise_penalty_ms: median over ``decode_steps`` of piecewise minus FULL, ms.
+        decode_steps: ``(batch, FULL ms, piecewise ms)`` per decode batch measured.
+        stall_up_ms / stall_down_ms: one level change 0 -> 1 / 1 -> 0 on an idle device.
+        driver_ms: of those two, the time inside VMM driver calls.
+    """
+
+    h2d_GBps: float
+    layer_copy_ms: float
+    piecewise_penalty_ms: float = 0.0
+    decode_steps: tuple[tuple[int, float, float], ...] = ()
+    stall_up_ms: float = 0.0
+    stall_down_ms: float = 0.0
+    driver_ms: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class StepReport:
     """What the worker measured for one step, plus resize outcomes since the last report.
 
@@ -71,6 +94,7 @@ class StepReport:
         num_decode_tokens / num_prefill_tokens: the step's composition (the policy's latency
             filter keeps steps without prefill tokens).
         outcomes: resize results, one per rank per command applied.
+        calibration: the start-up measurements, on the first report only.
     """
 
     step: int
@@ -79,6 +103,7 @@ class StepReport:
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
     outcomes: tuple[ResizeOutcome, ...] = ()
+    calibration: Calibration | None = None
 
     @property
     def timed(self) -> bool:

@@ -86,7 +86,7 @@ class DynamicOffloadScheduler(AsyncScheduler):
         command = self.offload.on_schedule_start(step, self._left_waiting, len(self.running))
         output = super().schedule(*args, **kwargs)
         self._left_waiting = len(self.waiting) + len(self.skipped_waiting)
-        self.offload.on_schedule_end(step)
+        self.offload.on_schedule_end(step, output.total_num_scheduled_tokens)
         setattr(output, SCHEDULER_OUTPUT_ATTR, command)
         return output
 

@@ -17,7 +17,7 @@ def capacity(level: int) -> int:
 
 
 def make(latency_by_level: dict[int, float], cooldown: int = 0, **kw: object) -> OffloadPolicy:
-    config = PolicyConfig(cooldown_steps=cooldown, **kw)  # type: ignore[arg-type]
+    config = PolicyConfig(rule="seed", cooldown_steps=cooldown, **kw)  # type: ignore[arg-type]
     estimator = LatencyEstimator(config)
     for level, ms in latency_by_level.items():
         estimator.observe(level, ms, DECODE)
@@ -69,7 +69,7 @@ def test_unknown_next_latency_explores_upward() -> None:
 
 
 def test_warmup_visits_every_level_from_max_down() -> None:
-    config = PolicyConfig(warmup=True, warmup_samples=2, cooldown_steps=0)
+    config = PolicyConfig(rule="seed", warmup=True, warmup_samples=2, cooldown_steps=0)
     estimator = LatencyEstimator(config)
     policy = OffloadPolicy(config, max_level=4, capacity_blocks=capacity, estimator=estimator)
     visited = [policy.level]

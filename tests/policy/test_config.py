@@ -69,7 +69,7 @@ def test_plugin_config_parses_and_refuses_unknown_keys() -> None:
         DynamicOffloadConfig.from_dict({"policy": {"tau": 0.3}})
     with pytest.raises(ValueError, match="increasing steps"):
         DynamicOffloadConfig.from_dict({"level_schedule": [[5, 1], [2, 0]]})
-    with pytest.raises(ValueError, match="h2d_GBps must be > 0"):
+    with pytest.raises(ValueError, match="h2d_GBps=0 must be > 0"):
         DynamicOffloadConfig.from_dict({"h2d_GBps": 0})
     with pytest.raises(ValueError, match="multiple of 4096"):
         DynamicOffloadConfig.from_dict({"host_page_size": 1000})

@@ -24,7 +24,7 @@ def controller(tmp_path, schedule=(), num_ranks=1, policy=None, max_level=2):
     )
     manager = make_manager(plan.num_blocks)
     config = DynamicOffloadConfig(
-        policy=policy or PolicyConfig(cooldown_steps=0),
+        policy=policy or PolicyConfig(rule="seed", cooldown_steps=0),
         trace_path=str(tmp_path / "trace.jsonl"),
         level_schedule=tuple(schedule),
     )
@@ -58,7 +58,7 @@ def test_grow_is_two_phase(tmp_path) -> None:
 
 
 def test_failed_grow_changes_nothing(tmp_path) -> None:
-    ctl, manager = controller(tmp_path, policy=PolicyConfig(cooldown_steps=0))
+    ctl, manager = controller(tmp_path, policy=PolicyConfig(rule="seed", cooldown_steps=0))
     command = ctl.on_schedule_start(1, waiting=3, running=0)  # pressure: the policy climbs
     assert command is not None and command.target_level == 1
     ctl.on_report(ack(command, ok=False))
@@ -122,7 +122,9 @@ def test_trace_records_steps_and_level_changes(tmp_path) -> None:
 
 
 def test_model_estimator_runs_in_the_controller(tmp_path) -> None:
-    policy = PolicyConfig(estimator="model", proxy="model", min_samples=1, cooldown_steps=0)
+    policy = PolicyConfig(
+        rule="seed", estimator="model", proxy="model", min_samples=1, cooldown_steps=0
+    )
     plan = plan_capacity(
         STRIDES, base_blocks=16, layer_bytes=LAYER_BYTES, max_level=2, page_size=PAGE
     )
@@ -171,7 +173,12 @@ def test_model_proxy_prices_the_recent_steps_not_the_last_one(tmp_path) -> None:
 
     def run(mix_steps: int) -> OffloadCommand | None:
         policy = PolicyConfig(
-            estimator="model", proxy="model", min_samples=3, cooldown_steps=0, mix_steps=mix_steps
+            rule="seed",
+            estimator="model",
+            proxy="model",
+            min_samples=3,
+            cooldown_steps=0,
+            mix_steps=mix_steps,
         )
         plan = plan_capacity(
             STRIDES, base_blocks=16, layer_bytes=LAYER_BYTES, max_level=2, page_size=PAGE
@@ -202,7 +209,7 @@ def test_a_level_measured_as_a_loss_drains_back_under_pressure(tmp_path) -> None
     it at 4x the step time for 2x the KV, and steps back down while requests still wait. The
     pool is full, so an ordinary drain would abort; this one holds until the request in the
     tier finishes, then the tier is unmapped."""
-    policy = PolicyConfig(cooldown_steps=0, min_samples=3, descend_under_pressure=True)
+    policy = PolicyConfig(rule="seed", cooldown_steps=0, min_samples=3, descend_under_pressure=True)
     ctl, manager = controller(tmp_path, policy=policy, max_level=1)
     for step in range(3):
         ctl.on_report(StepReport(step, 0, 10.0, num_decode_tokens=4))

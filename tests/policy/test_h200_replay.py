@@ -27,6 +27,7 @@ RESULTS = Path(__file__).parents[2] / "bench/results/serving/qwen3-32b_b_longpro
 RUN = RESULTS / "dynamic_h200.json.gz"
 LAYERS, LAYER_BYTES = 64, 975_196_672  # Qwen3-32B bf16 (bench/results/microbench_*.json)
 BLOCKS_AT_0, BLOCKS_PER_LEVEL = 5568, 224  # the run's log: groups of 32 blocks
+H2D_GBPS = 53.0  # what the run priced with (the configured default then)
 
 
 def capacity(level: int) -> int:
@@ -36,10 +37,12 @@ def capacity(level: int) -> int:
 def model_estimator() -> LatencyEstimator:
     """The estimator as the run's controller built it: the model proxy, calibrated from the
     fitted level-0 steps, the layer geometry and the default link bandwidth."""
-    config = DynamicOffloadConfig(policy=PolicyConfig(estimator="model", proxy="model"))
+    config = DynamicOffloadConfig(
+        policy=PolicyConfig(rule="seed", estimator="model", proxy="model")
+    )
 
     def calibrate(cost: StepCost) -> OffloadCostModel:
-        return OffloadCostModel.from_step_cost(LAYERS, LAYER_BYTES, config.h2d_GBps * 1e9, cost)
+        return OffloadCostModel.from_step_cost(LAYERS, LAYER_BYTES, H2D_GBPS * 1e9, cost)
 
     return LatencyEstimator(config.policy, calibrate=calibrate)
 
@@ -122,7 +125,11 @@ def test_descending_under_pressure_brings_the_run_back_from_level_5() -> None:
             mix.append(shape_of(record))
         assert min(estimator.samples(k) for k in range(6)) >= estimator.config.min_samples
         config = PolicyConfig(
-            estimator="model", proxy="model", cooldown_steps=0, descend_under_pressure=descend
+            rule="seed",
+            estimator="model",
+            proxy="model",
+            cooldown_steps=0,
+            descend_under_pressure=descend,
         )
         policy = OffloadPolicy(config, max_level=32, capacity_blocks=capacity, estimator=estimator)
         policy.level = 5

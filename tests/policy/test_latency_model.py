@@ -153,7 +153,8 @@ def test_fitted_model_sees_the_copies_hide_behind_a_big_batch() -> None:
         return OffloadCostModel.from_step_cost(N, B, 55e9, cost)
 
     estimator = LatencyEstimator(
-        PolicyConfig(estimator="model", proxy="model", min_samples=3), calibrate=calibrate
+        PolicyConfig(rule="seed", estimator="model", proxy="model", min_samples=3),
+        calibrate=calibrate,
     )
     k0 = StepCost(17.0, ms_per_decode_token=0.13)  # 20.3 ms at 25 running, 44.3 at 210
     for running in [25, 50, 100, 150, 210, 250] * 3:

@@ -1,0 +1,156 @@
+"""Start-up calibration on the running engine: what a level costs on *this* machine.
+
+Run by the worker after vLLM's warm-up and graph capture, before the first request, so the
+policy prices levels with this machine's figures instead of a user's guess:
+
+* **link**: one offloadable layer copied from its pinned host tensor into its own GPU region
+  (the bytes it already holds, so nothing changes), best of a few: the link's bandwidth and
+  one layer's copy time, over the very path the prefetches take;
+* **piecewise penalty**: decode steps of a few batch sizes through vLLM's own dummy run,
+  dispatched as at k = 0 (FULL graphs) and as at k > 0 (piecewise), CUDA-event timed;
+* **level change**: a real change 0 -> 1 and back, with level 1's KV groups (no block of
+  theirs is handed out before serving starts): the engine stall each direction costs.
+
+Everything is measured with the device idle; the serving-time stall also waits for the step
+already queued, which the policy adds from its measured step times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+
+from dynoff.compile_pass.levels import LevelChanger
+from dynoff.policy.block_pool import CapacityPlan
+from dynoff.policy.messages import Calibration, OffloadCommand
+
+logger = init_logger("vllm.dynoff.calibrate")
+
+DECODE_BATCHES = (8, 64, 256)
+REPEATS = 5
+
+
+def link(sources: dict[int, torch.Tensor], regions: dict[int, torch.Tensor]) -> float:
+    """Bytes per second of one layer's host-to-device copy (best of ``REPEATS``)."""
+    layer = next(iter(sources))
+    src, dst = sources[layer], regions[layer]
+    if dst.device.type == "cpu":
+        return _host_copy_bandwidth(src, dst)
+    best = float("inf")
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return src.numel() * src.element_size() / best
+
+
+def _host_copy_bandwidth(src: torch.Tensor, dst: torch.Tensor) -> float:
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return src.numel() * src.element_size() / best
+
+
+def decode_step_ms(run: Callable[[int], Any], batch: int, cuda: bool) -> float:
+    """Median time of ``run(batch)`` (one dummy decode step), after one untimed run."""
+    run(batch)
+    samples = []
+    for _ in range(REPEATS):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+            start.record()
+            run(batch)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            run(batch)
+            samples.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(samples)
+
+
+def piecewise_penalty(
+    run: Callable[[int], Any],
+    set_piecewise: Callable[[bool], None],
+    batches: Sequence[int],
+    cuda: bool,
+) -> tuple[tuple[int, float, float], ...]:
+    """(batch, FULL ms, piecewise ms) per batch size."""
+    rows = []
+    for batch in batches:
+        set_piecewise(False)
+        full = decode_step_ms(run, batch, cuda)
+        set_piecewise(True)
+        try:
+            piecewise = decode_step_ms(run, batch, cuda)
+        finally:
+            set_piecewise(False)
+        rows.append((batch, full, piecewise))
+    return tuple(rows)
+
+
+def level_change(levels: LevelChanger, plan: CapacityPlan) -> tuple[float, float, float]:
+    """(up ms, down ms, driver ms of both) of a real change 0 -> 1 -> 0 on level 1's groups."""
+    groups = tuple(range(plan.groups_at(0), plan.groups_at(1)))
+    up = levels.apply(OffloadCommand(-1, -1, 1, map_groups=groups))
+    down = levels.apply(OffloadCommand(-2, -1, 0, unmap_groups=groups))
+    for outcome in (up, down):
+        if not outcome.ok:
+            raise RuntimeError(f"calibration level change failed: {outcome.error}")
+    return up.remap_ms, down.remap_ms, up.driver_ms + down.driver_ms
+
+
+def calibrate(
+    levels: LevelChanger,
+    plan: CapacityPlan,
+    run_decode: Callable[[int], Any] | None,
+    max_batch: int,
+    cuda: bool,
+) -> Calibration:
+    """Measure this machine (see the module docstring). ``run_decode`` is None where there
+    are no CUDA graphs (vLLM's CPU engine): there is no piecewise penalty to measure."""
+    engine = levels.engine
+    bandwidth = link(engine.sources, engine.destinations) if engine.sources else 0.0
+    layer_bytes = levels.placement.layer_bytes
+    rows: tuple[tuple[int, float, float], ...] = ()
+    if run_decode is not None:
+        batches = sorted({min(b, max_batch) for b in DECODE_BATCHES})
+        rows = piecewise_penalty(
+            run_decode, lambda on: setattr(levels.runtime, "force_piecewise", on), batches, cuda
+        )
+    up_ms = down_ms = driver_ms = 0.0
+    if plan.max_level > 0:
+        up_ms, down_ms, driver_ms = level_change(levels, plan)
+    penalties = [pw - full for _, full, pw in rows]
+    return Calibration(
+        h2d_GBps=bandwidth / 1e9,
+        layer_copy_ms=layer_bytes / bandwidth * 1e3,
+        piecewise_penalty_ms=max(0.0, statistics.median(penalties)) if penalties else 0.0,
+        decode_steps=rows,
+        stall_up_ms=up_ms,
+        stall_down_ms=down_ms,
+        driver_ms=driver_ms,
+    )
+
+
+def describe(cal: Calibration) -> str:
+    """The one log line."""
+    steps = ", ".join(f"b={b} {full:.1f}/{pw:.1f}" for b, full, pw in cal.decode_steps)
+    return (
+        f"link {cal.h2d_GBps:.1f} GB/s (one layer copies in {cal.layer_copy_ms:.1f} ms); "
+        f"piecewise penalty {cal.piecewise_penalty_ms:.2f} ms"
+        + (f" (decode FULL/piecewise ms: {steps})" if steps else " (no CUDA graphs)")
+        + f"; level change 0->1 {cal.stall_up_ms:.1f} ms, 1->0 {cal.stall_down_ms:.1f} ms "
+        f"({cal.driver_ms:.1f} ms in the driver)"
+    )

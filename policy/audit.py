@@ -1,0 +1,137 @@
+"""What a climb bought: tokens served per second after it, against the window before.
+
+The model prices a level before the climb; the audit measures the result. It keeps, per
+scheduler step, the wall time and the tokens scheduled, and whether the step was under
+pressure. When a climb completes with the ``window`` steps before it under pressure, the
+audit waits ``settle`` steps (the change itself, the admissions it allows), then reads
+``window`` steps after it. Only two saturated windows compare: when the load falls away
+after the climb, throughput measures the load, not the level, and there is no verdict.
+
+Verdict ``loss`` when the rate after falls below the rate before by more than twice the
+standard error of the difference (per-step rates, both windows), and by at least
+``tolerance``. The policy then leaves the level and does not climb into it again for a
+back-off that doubles with each loss there (:class:`Backoff`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    tokens_per_s: float
+    stderr: float  # of the per-step rates' mean
+    pressured_share: float
+    steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    level: int
+    from_level: int
+    loss: bool
+    before: Window
+    after: Window
+
+    @property
+    def ratio(self) -> float:
+        return self.after.tokens_per_s / self.before.tokens_per_s
+
+
+def measure(samples: list[tuple[float, int, bool]]) -> Window | None:
+    """``samples``: (step seconds, tokens, pressured) per step."""
+    timed = [(dt, n) for dt, n, _ in samples if dt > 0]
+    if len(timed) < 2:
+        return None
+    seconds = sum(dt for dt, _ in timed)
+    rate = sum(n for _, n in timed) / seconds
+    rates = [n / dt for dt, n in timed]
+    mean = sum(rates) / len(rates)
+    var = sum((r - mean) ** 2 for r in rates) / (len(rates) - 1)
+    share = sum(1 for *_, p in samples if p) / len(samples)
+    return Window(rate, math.sqrt(var / len(rates)), share, len(samples))
+
+
+class ChangeAudit:
+    """Measures each climb against the window before it (see the module docstring)."""
+
+    def __init__(
+        self, window: int, settle: int, tolerance: float, saturated_share: float = 0.9
+    ) -> None:
+        self.window = window
+        self.settle = settle
+        self.tolerance = tolerance
+        self.saturated_share = saturated_share
+        self._recent: deque[tuple[float, int, bool]] = deque(maxlen=window)
+        self._last_time: float | None = None
+        self._open: tuple[int, int, Window] | None = None  # (from, to, before)
+        self._after: list[tuple[float, int, bool]] = []
+        self._skip = 0
+
+    def observe(self, now_s: float, tokens: int, pressured: bool) -> Verdict | None:
+        """One scheduler step: its start time, the tokens it scheduled, its pressure."""
+        dt = 0.0 if self._last_time is None else now_s - self._last_time
+        self._last_time = now_s
+        sample = (dt, tokens, pressured)
+        self._recent.append(sample)
+        if self._open is None:
+            return None
+        if self._skip > 0:
+            self._skip -= 1
+            return None
+        self._after.append(sample)
+        if len(self._after) < self.window:
+            return None
+        return self._close()
+
+    def climbed(self, from_level: int, to_level: int) -> bool:
+        """A climb completed: open an audit if the window before it was saturated."""
+        self._open = None
+        before = measure(list(self._recent))
+        if before is None or len(self._recent) < self.window:
+            return False
+        if before.pressured_share < self.saturated_share or before.tokens_per_s <= 0:
+            return False
+        self._open = (from_level, to_level, before)
+        self._after, self._skip = [], self.settle
+        return True
+
+    def cancel(self) -> None:
+        """The level moved again before the audit closed."""
+        self._open = None
+
+    def _close(self) -> Verdict | None:
+        assert self._open is not None
+        from_level, to_level, before = self._open
+        self._open = None
+        after = measure(self._after)
+        if after is None or after.pressured_share < self.saturated_share:
+            return None  # the load fell away: throughput no longer measures the level
+        noise = 2.0 * math.hypot(before.stderr, after.stderr)
+        drop = before.tokens_per_s - after.tokens_per_s
+        loss = drop > max(noise, self.tolerance * before.tokens_per_s)
+        return Verdict(to_level, from_level, loss, before, after)
+
+
+class Backoff:
+    """Levels not to climb into again until a step, the wait doubling per loss there."""
+
+    def __init__(self, base_steps: int) -> None:
+        self.base_steps = base_steps
+        self.losses: dict[int, int] = {}
+        self.until: dict[int, int] = {}
+
+    def lost(self, level: int, step: int) -> int:
+        """Record a loss at ``level``; returns the step it may be tried again."""
+        self.losses[level] = self.losses.get(level, 0) + 1
+        self.until[level] = step + self.base_steps * 2 ** (self.losses[level] - 1)
+        return self.until[level]
+
+    def paid(self, level: int) -> None:
+        self.losses.pop(level, None)
+
+    def blocked(self, level: int, step: int) -> bool:
+        return step < self.until.get(level, -1)

@@ -1,0 +1,59 @@
+"""What a level change costs the engine, beyond the level's step time.
+
+A climb k -> k+1 is priced (:class:`~dynoff.policy.algorithm.OffloadPolicy`, rule
+``priced``) as
+
+    E[T_{k+1}] = C_{k+1} / (L_{k+1} + (S_up + S_down) / H)
+
+against E[T_k] = C_k / L_k, and taken only when it wins by the margin. L_{k+1} (the
+latency model over the recent step mix) carries the copy time left exposed and the
+piecewise-graph penalty; S_up and S_down are the engine stalls of changing in and back out
+(:class:`SwitchCost`); H is the hold horizon: the cooldown, or, deep in a pressure episode,
+as many steps as the episode has lasted so far (an episode that has lasted T steps is
+expected to last about as long again).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class SwitchCost:
+    """Engine stall of one level change, per direction (ms).
+
+    Measured changes under load (the slowest rank's ``remap_ms``) replace the start-up
+    calibration, which ran on an idle device: until then the stall is the calibrated change
+    plus one step (a change waits for the step already queued on the device).
+    """
+
+    SMOOTHING = 0.3  # weight of the newest measured change
+
+    def __init__(self) -> None:
+        self.calibrated = {+1: 0.0, -1: 0.0}
+        self.measured: dict[int, float] = {}
+
+    def calibrate(self, up_ms: float, down_ms: float) -> None:
+        self.calibrated = {+1: up_ms, -1: down_ms}
+
+    def observe(self, direction: int, stall_ms: float) -> None:
+        old = self.measured.get(direction)
+        self.measured[direction] = (
+            stall_ms if old is None else old + self.SMOOTHING * (stall_ms - old)
+        )
+
+    def stall_ms(self, direction: int, step_ms: float) -> float:
+        if direction in self.measured:
+            return self.measured[direction]
+        return self.calibrated[direction] + step_ms
+
+    def round_trip_ms(self, step_ms: float) -> float:
+        """Changing in and back out."""
+        return self.stall_ms(+1, step_ms) + self.stall_ms(-1, step_ms)
+
+
+def noise_margin(relative_rms: float | None, mix_size: int, floor: float) -> float:
+    """The default climb margin: twice the standard error of the proxy's mean over the mix,
+    from the latency fit's relative scatter on single steps; never below ``floor``."""
+    if relative_rms is None or mix_size < 1:
+        return floor
+    return max(floor, 2.0 * relative_rms / math.sqrt(mix_size))

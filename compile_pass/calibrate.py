@@ -9,7 +9,9 @@ policy prices levels with this machine's figures instead of a user's guess:
 * **piecewise penalty**: decode steps of a few batch sizes through vLLM's own dummy run,
   dispatched as at k = 0 (FULL graphs) and as at k > 0 (piecewise), CUDA-event timed;
 * **level change**: a real change 0 -> 1 and back, with level 1's KV groups (no block of
-  theirs is handed out before serving starts): the engine stall each direction costs.
+  theirs is handed out before serving starts): the engine stall each direction costs;
+* **level 1**: while there, the same decode steps again: what a level costs on this
+  machine, which the policy checks its latency model against before trusting it.
 
 Everything is measured with the device idle; the serving-time stall also waits for the step
 already queued, which the policy adds from its measured step times.
@@ -80,13 +82,13 @@ def decode_step_ms(run: Callable[[int], Any], batch: int, cuda: bool) -> float:
     return statistics.median(samples)
 
 
-def piecewise_penalty(
+def decode_steps(
     run: Callable[[int], Any],
     set_piecewise: Callable[[bool], None],
     batches: Sequence[int],
     cuda: bool,
-) -> tuple[tuple[int, float, float], ...]:
-    """(batch, FULL ms, piecewise ms) per batch size."""
+) -> list[tuple[int, float, float]]:
+    """(batch, FULL ms, piecewise ms) per batch size, at level 0."""
     rows = []
     for batch in batches:
         set_piecewise(False)
@@ -97,17 +99,24 @@ def piecewise_penalty(
         finally:
             set_piecewise(False)
         rows.append((batch, full, piecewise))
-    return tuple(rows)
+    return rows
 
 
-def level_change(levels: LevelChanger, plan: CapacityPlan) -> tuple[float, float, float]:
-    """(up ms, down ms, driver ms of both) of a real change 0 -> 1 -> 0 on level 1's groups."""
+def level_change(
+    levels: LevelChanger, plan: CapacityPlan, at_level_1: Callable[[], Any]
+) -> tuple[float, float, float]:
+    """(up ms, down ms, driver ms of both) of a real change 0 -> 1 -> 0 on level 1's
+    groups, running ``at_level_1()`` in between."""
     groups = tuple(range(plan.groups_at(0), plan.groups_at(1)))
     up = levels.apply(OffloadCommand(-1, -1, 1, map_groups=groups))
-    down = levels.apply(OffloadCommand(-2, -1, 0, unmap_groups=groups))
-    for outcome in (up, down):
-        if not outcome.ok:
-            raise RuntimeError(f"calibration level change failed: {outcome.error}")
+    if not up.ok:
+        raise RuntimeError(f"calibration level change 0 -> 1 failed: {up.error}")
+    try:
+        at_level_1()
+    finally:
+        down = levels.apply(OffloadCommand(-2, -1, 0, unmap_groups=groups))
+    if not down.ok:
+        raise RuntimeError(f"calibration level change 1 -> 0 failed: {down.error}")
     return up.remap_ms, down.remap_ms, up.driver_ms + down.driver_ms
 
 
@@ -123,21 +132,32 @@ def calibrate(
     engine = levels.engine
     bandwidth = link(engine.sources, engine.destinations) if engine.sources else 0.0
     layer_bytes = levels.placement.layer_bytes
-    rows: tuple[tuple[int, float, float], ...] = ()
+    rows: list[tuple[int, float, float]] = []
+    batches: list[int] = []
     if run_decode is not None:
         batches = sorted({min(b, max_batch) for b in DECODE_BATCHES})
-        rows = piecewise_penalty(
+        rows = decode_steps(
             run_decode, lambda on: setattr(levels.runtime, "force_piecewise", on), batches, cuda
         )
+    level_1: list[float] = []
+
+    def at_level_1() -> None:
+        if run_decode is not None:
+            level_1.extend(decode_step_ms(run_decode, b, cuda) for b in batches)
+
     up_ms = down_ms = driver_ms = 0.0
     if plan.max_level > 0:
-        up_ms, down_ms, driver_ms = level_change(levels, plan)
+        up_ms, down_ms, driver_ms = level_change(levels, plan, at_level_1)
     penalties = [pw - full for _, full, pw in rows]
+    if len(level_1) != len(rows):
+        level_1 = [0.0] * len(rows)
     return Calibration(
         h2d_GBps=bandwidth / 1e9,
-        layer_copy_ms=layer_bytes / bandwidth * 1e3,
+        layer_copy_ms=layer_bytes / bandwidth * 1e3 if bandwidth else 0.0,
         piecewise_penalty_ms=max(0.0, statistics.median(penalties)) if penalties else 0.0,
-        decode_steps=rows,
+        decode_steps=tuple(
+            (b, full, pw, k1) for (b, full, pw), k1 in zip(rows, level_1, strict=True)
+        ),
         stall_up_ms=up_ms,
         stall_down_ms=down_ms,
         driver_ms=driver_ms,
@@ -146,11 +166,11 @@ def calibrate(
 
 def describe(cal: Calibration) -> str:
     """The one log line."""
-    steps = ", ".join(f"b={b} {full:.1f}/{pw:.1f}" for b, full, pw in cal.decode_steps)
+    steps = ", ".join(f"b={b} {full:.1f}/{pw:.1f}/{k1:.1f}" for b, full, pw, k1 in cal.decode_steps)
     return (
         f"link {cal.h2d_GBps:.1f} GB/s (one layer copies in {cal.layer_copy_ms:.1f} ms); "
         f"piecewise penalty {cal.piecewise_penalty_ms:.2f} ms"
-        + (f" (decode FULL/piecewise ms: {steps})" if steps else " (no CUDA graphs)")
+        + (f" (decode ms FULL/piecewise/level 1: {steps})" if steps else " (no CUDA graphs)")
         + f"; level change 0->1 {cal.stall_up_ms:.1f} ms, 1->0 {cal.stall_down_ms:.1f} ms "
         f"({cal.driver_ms:.1f} ms in the driver)"
     )

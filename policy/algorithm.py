@@ -26,17 +26,20 @@ climb must show, so that a level which does not pay is not tried (on a 55 GB/s P
 Qwen3-32B layer copies in 17.7 ms against a 25-40 ms decode step: almost never):
 
     under pressure:  if level k measured as a loss (the audit): k -= 1     ("down-loss")
-                     elif k < M, k+1 not backed off, and
+                     elif k < M, no audit open, k+1 not backed off, and
                           C_{k+1} / (L_{k+1} + (S_up + S_down) / H) > (1 + m) · C_k / L_k:
                           k += 1
                      [elif descend_under_pressure ...: k -= 1]
     low pressure:    as the seed
 
 L comes from the latency model over the recent step mix (exposed copies and the piecewise
-penalty included), S from :class:`~dynoff.policy.pricing.SwitchCost`, H is the cooldown or
-the pressure episode's length so far, whichever is longer, and m is ``climb_margin`` or,
-unset, the measured noise of the proxy (:func:`~dynoff.policy.pricing.noise_margin`). An
-unknown L_{k+1} holds: nothing is explored on a guess. The controller audits every climb
+penalty included; L_{k+1} over the mix with C_{k+1}/C_k times the decode tokens, the
+requests the extra KV admits), S from :class:`~dynoff.policy.pricing.SwitchCost`, H is the
+cooldown or the pressure episode's length so far, whichever is longer, and m is
+``climb_margin`` or, unset, the measured noise of the proxy
+(:func:`~dynoff.policy.pricing.noise_margin`). An unknown L_{k+1} holds: nothing is
+explored on a guess. While level k+1 has no measurements of its own, m is at least the
+model's error on level 1 as the start-up calibration measured it (:func:`~dynoff.policy.pricing.model_error`). The controller audits every climb
 (:mod:`dynoff.policy.audit`) and reports a loss through :meth:`OffloadPolicy.lost`.
 
 Warm-up (optional, the seed's): start at M and step down one level each time the current
@@ -62,6 +65,7 @@ class Pressure:
     kv_utilization: float
     mix: tuple[StepShape, ...] = ()  # recent steps' compositions, oldest first
     step: int = 0  # the scheduler step (back-offs count in steps)
+    auditing: bool = False  # priced: the last climb is still being measured
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +104,7 @@ class OffloadPolicy:
         self.switch = SwitchCost()
         self.backoff = Backoff(config.loss_backoff_steps)
         self.episode = 0  # consecutive decisions under pressure
+        self.unmeasured_margin = 0.0  # the model's error on a level it has not measured
         self._lost: int | None = None  # a level the audit measured as a loss
 
     def proxy(self, level: int, mix: tuple[StepShape, ...]) -> float | None:
@@ -132,15 +137,31 @@ class OffloadPolicy:
     def paid(self, level: int) -> None:
         self.backoff.paid(level)
 
-    def margin(self, mix_size: int) -> float:
+    def margin(self, mix_size: int, level: int | None = None) -> float:
+        """What a climb into ``level`` must clear: ``climb_margin`` if set; else the
+        proxy's noise, and, while ``level`` has no measurements of its own, at least the
+        model's calibrated error on an unmeasured level."""
         cfg = self.config
         if cfg.climb_margin is not None:
             return cfg.climb_margin
-        return noise_margin(self.estimator.fit.relative_rms(), mix_size, cfg.min_climb_margin)
+        margin = noise_margin(self.estimator.fit.relative_rms(), mix_size, cfg.min_climb_margin)
+        if level is not None and not self.estimator.refined(level):
+            margin = max(margin, self.unmeasured_margin)
+        return margin
 
     def priced_next(self, mix: tuple[StepShape, ...]) -> float | None:
-        """C_{k+1} / (L_{k+1} + (S_up + S_down) / H), or None while L is unknown."""
-        nxt = self.estimator.estimate(self.level + 1, mix)
+        """C_{k+1} / (L_{k+1} + (S_up + S_down) / H), or None while L is unknown.
+
+        L_{k+1} is priced over the mix as level k+1 would run it: with the KV full, the
+        extra capacity admits proportionally more requests, so every step decodes
+        C_{k+1}/C_k times the tokens (prefill chunks stay within the token budget). On a
+        batch that is already compute-bound the longer steps eat the extra capacity, on
+        any link; the seed's C_{k+1}/L_{k+1} over the same steps counts it as pure gain."""
+        grow = self.capacity_blocks(self.level + 1) / self.capacity_blocks(self.level)
+        admitted = tuple(
+            StepShape(round(s.num_decode_tokens * grow), s.num_prefill_tokens) for s in mix
+        )
+        nxt = self.estimator.estimate(self.level + 1, admitted)
         now = self.estimator.estimate(self.level, mix)
         if nxt is None or now is None or nxt <= 0:
             return None
@@ -156,8 +177,8 @@ class OffloadPolicy:
                 return self._move(-1, "down-loss")
             mix = pressure.mix
             current = self.proxy(self.level, mix)
-            nxt, margin = None, self.margin(len(mix))
-            blocked = self.backoff.blocked(self.level + 1, pressure.step)
+            nxt, margin = None, self.margin(len(mix), self.level + 1)
+            blocked = pressure.auditing or self.backoff.blocked(self.level + 1, pressure.step)
             if current is not None and self.level < self.max_level and not blocked:
                 nxt = self.priced_next(mix)
                 if nxt is not None and nxt > current * (1 + margin):

@@ -8,9 +8,10 @@ audit waits ``settle`` steps (the change itself, the admissions it allows), then
 after the climb, throughput measures the load, not the level, and there is no verdict.
 
 Verdict ``loss`` when the rate after falls below the rate before by more than twice the
-standard error of the difference (per-step rates, both windows), and by at least
-``tolerance``. The policy then leaves the level and does not climb into it again for a
-back-off that doubles with each loss there (:class:`Backoff`).
+standard error of the difference (batch means over sub-windows of both windows), and by at
+least ``tolerance``. The policy then leaves the level and does not climb into it again for
+a back-off that doubles with each loss there (:class:`Backoff`). While an audit is open
+the policy does not climb again: the next level's effect would mix into this one's.
 """
 
 from __future__ import annotations
@@ -41,18 +42,23 @@ class Verdict:
         return self.after.tokens_per_s / self.before.tokens_per_s
 
 
-def measure(samples: list[tuple[float, int, bool]]) -> Window | None:
-    """``samples``: (step seconds, tokens, pressured) per step."""
+def measure(samples: list[tuple[float, int, bool]], blocks: int = 5) -> Window | None:
+    """``samples``: (step seconds, tokens, pressured) per step. The rate is the window's
+    tokens over its seconds; its standard error comes from ``blocks`` consecutive
+    sub-windows (batch means: a prefill step serves thousands of tokens, a decode step
+    tens, so single steps' rates say little about a window's)."""
     timed = [(dt, n) for dt, n, _ in samples if dt > 0]
-    if len(timed) < 2:
+    if len(timed) < 2 * blocks:
         return None
     seconds = sum(dt for dt, _ in timed)
     rate = sum(n for _, n in timed) / seconds
-    rates = [n / dt for dt, n in timed]
-    mean = sum(rates) / len(rates)
-    var = sum((r - mean) ** 2 for r in rates) / (len(rates) - 1)
+    size = len(timed) // blocks
+    parts = [timed[i * size : (i + 1) * size] for i in range(blocks)]
+    rates = [sum(n for _, n in part) / sum(dt for dt, _ in part) for part in parts]
+    mean = sum(rates) / blocks
+    var = sum((r - mean) ** 2 for r in rates) / (blocks - 1)
     share = sum(1 for *_, p in samples if p) / len(samples)
-    return Window(rate, math.sqrt(var / len(rates)), share, len(samples))
+    return Window(rate, math.sqrt(var / blocks), share, len(samples))
 
 
 class ChangeAudit:
@@ -86,6 +92,10 @@ class ChangeAudit:
         if len(self._after) < self.window:
             return None
         return self._close()
+
+    @property
+    def open(self) -> bool:
+        return self._open is not None
 
     def climbed(self, from_level: int, to_level: int) -> bool:
         """A climb completed: open an audit if the window before it was saturated."""

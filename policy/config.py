@@ -84,7 +84,7 @@ class PolicyConfig:
     descend_margin: float = 0.05
     climb_margin: float | None = None
     min_climb_margin: float = 0.01
-    audit_window_steps: int = 100
+    audit_window_steps: int = 200
     audit_settle_steps: int = 10
     audit_tolerance: float = 0.02
     loss_backoff_steps: int = 1000
@@ -110,9 +110,14 @@ class PolicyConfig:
             raise ValueError(f"cooldown_steps={self.cooldown_steps} must be >= 0")
         if self.max_level is not None and self.max_level < 0:
             raise ValueError(f"max_level={self.max_level} must be >= 0 (or None for N/2)")
-        for name in ("warmup_samples", "min_samples", "mix_steps", "audit_window_steps"):
+        for name in ("warmup_samples", "min_samples", "mix_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.audit_window_steps < 10:
+            raise ValueError(
+                f"audit_window_steps={self.audit_window_steps} must be >= 10 (the audit "
+                "compares 5 sub-windows of at least 2 steps each)"
+            )
         if self.drain_lag_steps < 0:
             raise ValueError(f"drain_lag_steps={self.drain_lag_steps} must be >= 0")
         for name in ("descend_margin", "min_climb_margin", "audit_tolerance"):

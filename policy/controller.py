@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 from vllm.v1.core.block_pool import BlockPool
 
@@ -38,6 +39,7 @@ from dynoff.policy.block_pool import CapacityPlan, ElasticBlockPool, KVLayout
 from dynoff.policy.config import DynamicOffloadConfig
 from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepCost, StepShape
 from dynoff.policy.messages import Calibration, OffloadCommand, ResizeOutcome, StepReport
+from dynoff.policy.pricing import model_error
 from dynoff.policy.trace import TraceWriter, trace_range
 
 logger = logging.getLogger("vllm.dynoff.policy")
@@ -58,8 +60,10 @@ class OffloadController:
         model: OffloadCostModel | None = None,
         num_layers: int | None = None,
         layer_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.clock = clock  # seconds; the audit's step times
         self.plan = plan
         self.num_ranks = num_ranks
         self.elastic = ElasticBlockPool(
@@ -72,6 +76,7 @@ class OffloadController:
             else config.piecewise_penalty_ms
         )
         self.calibration: Calibration | None = None
+        self._calibrate: Callable[[StepCost], OffloadCostModel] | None = None
         calibrate = None
         if num_layers is not None and layer_bytes is not None:
 
@@ -84,6 +89,7 @@ class OffloadController:
                     piecewise_penalty_ms=self.piecewise_penalty_ms,
                 )
 
+        self._calibrate = calibrate
         self.estimator = LatencyEstimator(config.policy, model, calibrate)
         self.policy = OffloadPolicy(
             config.policy, plan.max_level, plan.capacity_blocks, self.estimator
@@ -130,7 +136,7 @@ class OffloadController:
         if self.elastic.should_abort():
             self._abort_drain(step)
         if self.audit is not None:
-            verdict = self.audit.observe(time.monotonic(), tokens, self._pressured)
+            verdict = self.audit.observe(self.clock(), tokens, self._pressured)
             if verdict is not None:
                 self._judge(step, verdict)
 
@@ -167,6 +173,8 @@ class OffloadController:
         if self.config.piecewise_penalty_ms is None:
             self.piecewise_penalty_ms = cal.piecewise_penalty_ms
         self.policy.switch.calibrate(cal.stall_up_ms, cal.stall_down_ms)
+        if self._calibrate is not None:
+            self.policy.unmeasured_margin = model_error(cal, self._calibrate)
         self.estimator.recalibrate()
         self.trace.event(
             "calibration",
@@ -178,6 +186,17 @@ class OffloadController:
             stall_down_ms=round(cal.stall_down_ms, 2),
             priced_h2d_GBps=round(self.h2d_GBps, 2),
             priced_piecewise_penalty_ms=round(self.piecewise_penalty_ms, 3),
+            unmeasured_margin=round(self.policy.unmeasured_margin, 4),
+        )
+        logger.info(
+            "dynamic offload: pricing levels with %.1f GB/s, a %.2f ms piecewise penalty, "
+            "%.0f/%.0f ms per change up/down; a climb into an unmeasured level must clear "
+            "%.1f%% (the model's error on level 1 here)",
+            self.h2d_GBps,
+            self.piecewise_penalty_ms,
+            cal.stall_up_ms,
+            cal.stall_down_ms,
+            self.policy.unmeasured_margin * 100,
         )
 
     def on_report(self, report: StepReport) -> None:
@@ -212,7 +231,9 @@ class OffloadController:
             self._decision = "forced"
         else:
             usage = self.elastic.pool.get_usage()
-            decision = self.policy.decide(Pressure(waiting, usage, tuple(self._mix), step))
+            auditing = self.audit is not None and self.audit.open
+            pressure = Pressure(waiting, usage, tuple(self._mix), step, auditing)
+            decision = self.policy.decide(pressure)
             target, self._decision, self._last = decision.level, decision.reason, decision
         if target > self.level:
             groups = self.elastic.begin_grow(self.plan.tier_groups)

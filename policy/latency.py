@@ -358,6 +358,10 @@ class LatencyEstimator:
     def samples(self, level: int) -> int:
         return self._count[level]
 
+    def refined(self, level: int) -> bool:
+        """The level's own measurements refine the model (else it borrows a ratio)."""
+        return self._ratio_count[level] >= self.config.min_samples
+
     def measured(self, level: int) -> float | None:
         """Mean decode-only step time at ``level`` (ms), or None before any sample."""
         n = self._count[level]

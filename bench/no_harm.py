@@ -32,9 +32,25 @@ def point_key(point: dict[str, Any]) -> str:
     return json.dumps(point, sort_keys=True)
 
 
+def rate_of(point: dict[str, Any]) -> float | str | None:
+    """The point's offered rate: given, or read from its trace arguments (``--rate R``; a
+    bursty trace's ``lull/burst`` rates)."""
+    if "rate" in point:
+        return point["rate"]
+    words = str(point.get("trace", "")).split()
+
+    def after(flag: str, default: str) -> str:
+        return words[words.index(flag) + 1] if flag in words[:-1] else default
+
+    if words and words[0] == "bursty":
+        return f"{after('--lull-rate', '3.0')}/{after('--burst-rate', '18.0')}"
+    return float(after("--rate", "nan")) if "--rate" in words else None
+
+
 def compare(stock: dict[str, Any], plugin: dict[str, Any]) -> dict[str, Any]:
     """One point's ratios (plugin / stock) and the bounds they miss."""
     row: dict[str, Any] = dict(plugin["point"])
+    row["rate"] = rate_of(plugin["point"])
     misses = []
     for name, (key, bound, kind) in BOUNDS.items():
         base = stock["client"][key]
@@ -85,21 +101,29 @@ def plot(result: dict[str, Any], out_dir: Path) -> Path:
 
     points = result["points"]
     names = list(BOUNDS)
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(points)), 4))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.8 * len(points)), 4))
     width = 0.8 / len(names)
+    values = [pt[name] for pt in points for name in names]
     for i, name in enumerate(names):
         xs = [p + i * width for p in range(len(points))]
-        ax.bar(xs, [pt[name] for pt in points], width, label=name.replace("_ratio", ""))
-        ax.hlines(BOUNDS[name][1], xs[0] - width / 2, xs[-1] + width / 2, colors="k", lw=0.5)
-    labels = [
-        "\n".join(f"{k}={v}" for k, v in pt.items() if k in ("regime", "workload", "rate"))
-        for pt in points
-    ]
+        ax.bar(xs, [pt[name] for pt in points], width, label=name.removesuffix("_ratio"))
+        bound = BOUNDS[name][1]
+        ax.hlines(
+            [bound] * len(xs),
+            [x - width / 2 for x in xs],
+            [x + width / 2 for x in xs],
+            colors="k",
+            lw=2,
+        )
+    labels = [f"{pt.get('regime')} / {pt.get('workload')}\n{pt.get('rate')} req/s" for pt in points]
     ax.set_xticks([p + 0.4 - width / 2 for p in range(len(points))], labels, fontsize=8)
-    ax.axhline(1.0, color="grey", ls=":")
+    ax.axhline(1.0, color="grey", ls=":", lw=1)
+    low = min(0.9, min(values) - 0.02)
+    high = max(1.15, max(values) + 0.02)
+    ax.set_ylim(low, high)
     ax.set_ylabel("plugin / stock")
-    ax.set_title("No harm: the plugin's defaults against stock vLLM's (bounds as black ticks)")
-    ax.legend(fontsize=7, ncol=3)
+    ax.set_title("No harm under vllm serve (black: the bound each ratio must keep)", fontsize=10)
+    ax.legend(fontsize=7, ncol=5, loc="upper center")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "no_harm.png"
     fig.tight_layout()

@@ -60,6 +60,10 @@ def compare(stock: dict[str, Any], plugin: dict[str, Any]) -> dict[str, Any]:
             misses.append(name)
     row["misses"] = misses
     row["levels_visited"] = plugin.get("plugin", {}).get("levels_visited")
+    for system, run in (("stock", stock), ("plugin", plugin)):  # did the point bind KV?
+        peak = run.get("server_metrics", {}).get("peak")
+        if peak:
+            row[f"{system}_peak"] = {k: round(v, 3) for k, v in peak.items()}
     return row
 
 

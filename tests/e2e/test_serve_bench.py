@@ -61,6 +61,8 @@ def test_both_servers_serve_every_request_of_the_trace(runs: dict[str, Path]) ->
         assert client["p99_ttft_ms"] > 0 and client["median_tpot_ms"] > 0
         count = count or client["completed"]
         assert client["completed"] == count  # the same trace, replayed by vLLM's client
+        peak = result["server_metrics"]["peak"]  # sampled from the server's /metrics
+        assert peak["running"] >= 1 and 0 < peak["kv_usage"] <= 1
     plugin = json.loads(runs["plugin"].read_text())
     assert "--worker-cls" in plugin["server_command"]  # the README's flags
     stock = json.loads(runs["stock"].read_text())

@@ -102,11 +102,18 @@ def decode_steps(
     return rows
 
 
+class CalibrationLeftLevel(RuntimeError):
+    """The calibration's change back to level 0 failed twice: this rank cannot serve at the
+    level the scheduler starts from. Start-up stops with this error, never silently."""
+
+
 def level_change(
     levels: LevelChanger, plan: CapacityPlan, at_level_1: Callable[[], Any]
 ) -> tuple[float, float, float]:
     """(up ms, down ms, driver ms of both) of a real change 0 -> 1 -> 0 on level 1's
-    groups, running ``at_level_1()`` in between."""
+    groups, running ``at_level_1()`` in between. A failed change up leaves level 0 (the
+    change rolls back); a failed change down is tried once more, then raises
+    :class:`CalibrationLeftLevel`."""
     groups = tuple(range(plan.groups_at(0), plan.groups_at(1)))
     up = levels.apply(OffloadCommand(-1, -1, 1, map_groups=groups))
     if not up.ok:
@@ -115,8 +122,14 @@ def level_change(
         at_level_1()
     finally:
         down = levels.apply(OffloadCommand(-2, -1, 0, unmap_groups=groups))
-    if not down.ok:
-        raise RuntimeError(f"calibration level change 1 -> 0 failed: {down.error}")
+        if not down.ok:
+            down = levels.apply(OffloadCommand(-3, -1, 0, unmap_groups=groups))
+        if not down.ok:
+            raise CalibrationLeftLevel(
+                f"the calibration's level change 1 -> 0 failed twice ({down.error}); this rank "
+                "would serve at level 1 while the scheduler starts at 0. Set "
+                "policy.max_level to 0 to serve without offloading, and report the error"
+            )
     return up.remap_ms, down.remap_ms, up.driver_ms + down.driver_ms
 
 

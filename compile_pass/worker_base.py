@@ -330,6 +330,8 @@ class DynamicOffloadMixin:
         started = time.perf_counter()
         try:
             result = calibrate.calibrate(state.levels, state.plan, run_decode, max_batch, cuda)
+        except calibrate.CalibrationLeftLevel:
+            raise  # this rank is not at level 0: serving would be wrong, so do not start
         except Exception as exc:  # serving goes on, priced with the configured figures
             logger.warning(
                 "dynamic offload: calibration failed (%s); using the configured "

@@ -83,6 +83,20 @@ def check_gpu_config(vllm_config: Any) -> None:
             "dynamic offload owns the weights' and KV cache's memory through CUDA VMM; "
             "vLLM's sleep mode (CuMemAllocator) would free it underneath: drop --enable-sleep-mode"
         )
+    dp = getattr(vllm_config.parallel_config, "data_parallel_size", 1)
+    if dp > 1:
+        raise ValueError(
+            f"data_parallel_size={dp}: dynamic offload has not been tested with data "
+            "parallelism (each replica would run its own policy); run one vllm serve per "
+            "replica behind a load balancer, or drop --data-parallel-size"
+        )
+    kv_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if kv_dtype.startswith("fp8"):
+        raise ValueError(
+            f"kv_cache_dtype={kv_dtype}: KV pages handed over from weights carry weight bytes, "
+            "and some are NaN patterns in fp8; until a GPU test shows the attention backends "
+            "never read them, dynamic offload refuses an fp8 KV cache: use --kv-cache-dtype auto"
+        )
     mode = vllm_config.compilation_config.cudagraph_mode
     if mode is not None and mode.name not in STEERABLE_MODES:
         raise ValueError(

@@ -10,10 +10,17 @@ from vllm.config import CUDAGraphMode
 from dynoff.compile_pass.worker_base import check_gpu_config
 
 
-def config(sleep: bool = False, mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE):
+def config(
+    sleep: bool = False,
+    mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE,
+    dp: int = 1,
+    kv_dtype: str = "auto",
+):
     return types.SimpleNamespace(
         model_config=types.SimpleNamespace(enable_sleep_mode=sleep),
         compilation_config=types.SimpleNamespace(cudagraph_mode=mode),
+        parallel_config=types.SimpleNamespace(data_parallel_size=dp),
+        cache_config=types.SimpleNamespace(cache_dtype=kv_dtype),
     )
 
 
@@ -31,6 +38,18 @@ def test_modes_without_piecewise_graphs_are_refused(mode: CUDAGraphMode) -> None
 def test_sleep_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="--enable-sleep-mode"):
         check_gpu_config(config(sleep=True))
+
+
+def test_data_parallelism_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"data_parallel_size=2.*one vllm serve per replica"):
+        check_gpu_config(config(dp=2))
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_an_fp8_kv_cache_is_refused_with_the_fix(kv_dtype: str) -> None:
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype={kv_dtype}.*--kv-cache-dtype auto"):
+        check_gpu_config(config(kv_dtype=kv_dtype))
+    check_gpu_config(config(kv_dtype="bfloat16"))  # a non-fp8 KV dtype passes
 
 
 def test_gpu_worker_module_leaves_torch_cuda_alone() -> None:

@@ -61,6 +61,14 @@ def measure(samples: list[tuple[float, int, bool]], blocks: int = 5) -> Window |
     return Window(rate, math.sqrt(var / blocks), share, len(samples))
 
 
+def is_loss(before: Window, after: Window, tolerance: float) -> bool:
+    """The rate fell by more than twice the standard error of the difference and by more
+    than ``tolerance`` of the rate before."""
+    noise = 2.0 * math.hypot(before.stderr, after.stderr)
+    drop = before.tokens_per_s - after.tokens_per_s
+    return drop > max(noise, tolerance * before.tokens_per_s)
+
+
 class ChangeAudit:
     """Measures each climb against the window before it (see the module docstring)."""
 
@@ -120,10 +128,7 @@ class ChangeAudit:
         after = measure(self._after)
         if after is None or after.pressured_share < self.saturated_share:
             return None  # the load fell away: throughput no longer measures the level
-        noise = 2.0 * math.hypot(before.stderr, after.stderr)
-        drop = before.tokens_per_s - after.tokens_per_s
-        loss = drop > max(noise, self.tolerance * before.tokens_per_s)
-        return Verdict(to_level, from_level, loss, before, after)
+        return Verdict(to_level, from_level, is_loss(before, after, self.tolerance), before, after)
 
 
 class Backoff:

@@ -16,9 +16,10 @@ README = Path(__file__).parents[2] / "README.md"
 
 def readme_serve_line() -> list[str]:
     text = README.read_text()
-    block = re.search(r"```bash\n(.*?vllm serve .*?)```", text, re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    block = next((b for b in blocks if "vllm serve " in b), None)
     assert block is not None, "README has no vllm serve block"
-    line = block.group(1).split("vllm serve", 1)[1].replace("\\\n", " ")
+    line = block.split("vllm serve", 1)[1].replace("\\\n", " ")
     return shlex.split(line.replace('"$(python -m dynoff.compile_pass.config)"', "CC"))
 
 

@@ -10,6 +10,11 @@ under those addresses:
 * lower k -> k-1: j gets private pages again (from the pool, after the KV cache gave them
   back) and both layers are restored from their pinned CPU copies.
 
+Only a layer's matrices are packed. Its vectors (RMSNorm weights, biases: a few KiB) stay
+where vLLM put them, resident and never offloaded: packed, they would spill the matrices'
+whole pages into one more page per layer (2 MiB x 64 layers of Qwen3-32B that the KV cache
+would lose), and a page of theirs buys no KV.
+
 Every offloadable layer keeps a pinned CPU copy (2 layers per level: the seed's "two bytes
 of pinned memory per byte reclaimed"), pinned with ``cudaHostRegister`` so host memory is
 the weight bytes, not a power-of-two rounding of them.
@@ -48,9 +53,16 @@ def layer_signature(layer: nn.Module) -> tuple[tuple[str, tuple[int, ...], torch
     return tuple((name, tuple(p.shape), p.dtype) for name, p in layer.named_parameters())
 
 
+def packed_parameters(layer: nn.Module) -> list[nn.Parameter]:
+    """The parameters a layer's pack holds: its matrices (all of them if it has none)."""
+    params = [p for _, p in layer.named_parameters()]
+    matrices = [p for p in params if p.dim() >= 2]
+    return matrices or params
+
+
 def _layout(layer: nn.Module) -> tuple[list[tuple[nn.Parameter, int]], int]:
     offset, placed = 0, []
-    for _, param in layer.named_parameters():
+    for param in packed_parameters(layer):
         placed.append((param, offset))
         offset += -(-param.numel() * param.element_size() // ALIGN) * ALIGN
     return placed, offset

@@ -42,7 +42,7 @@ from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.timing import StepTimer, Timed
 from dynoff.policy.block_pool import CapacityPlan, plan_capacity
 from dynoff.policy.config import DynamicOffloadConfig
-from dynoff.policy.geometry import recover_plan
+from dynoff.policy.geometry import check_planned_layer, planned_layer_bytes, recover_plan
 from dynoff.policy.messages import (
     RUNNER_OUTPUT_ATTR,
     SCHEDULER_OUTPUT_ATTR,
@@ -201,14 +201,26 @@ class DynamicOffloadMixin:
         max_level = config.policy.resolve_max_level(
             len(layers), probe, psutil.virtual_memory().available
         )
+        cuda = not current_platform.is_cpu()
+        torch_before = torch.cuda.memory_allocated() if cuda else 0
         started = time.perf_counter()
         placement = WeightPlacement(arena, layers, max_level)
         placed_s = time.perf_counter() - started
-        self._correct_weights_memory(placement)
-        if config.layer_bytes is not None and config.layer_bytes > placement.layer_bytes:
-            raise ValueError(
-                f"layer_bytes={config.layer_bytes} exceeds the real layer size "
-                f"{placement.layer_bytes}; leave it unset or lower it"
+        if cuda:
+            moved = max(0, torch_before - torch.cuda.memory_allocated())
+        else:
+            moved = placement.num_layers * placement.layer_bytes
+        self._correct_weights_memory(placement, moved)
+        planned = planned_layer_bytes(self.vllm_config, config.layer_bytes)  # type: ignore[attr-defined]
+        check_planned_layer(planned, placement.layer_bytes, arena.page_size)
+        if -(-planned // arena.page_size) < placement.pages_per_layer:
+            logger.warning(
+                "dynamic offload: the KV tiers are planned for %.1f MiB layers but a layer "
+                'frees %d pages (%.1f MiB); the rest stays unused. Set "layer_bytes": %d.',
+                planned / 2**20,
+                placement.pages_per_layer,
+                placement.layer_bytes / 2**20,
+                placement.layer_bytes,
             )
         packs = placement.offloadable()
         engine = PrefetchEngine(
@@ -230,20 +242,20 @@ class DynamicOffloadMixin:
         )
         return _State(config, arena, placement, engine, rt)
 
-    def _correct_weights_memory(self, placement: WeightPlacement) -> None:
-        """The packed layers now live in VMM pages, which vLLM's profiler counts as non-torch
-        memory; their torch copies are freed. Take them out of ``model_memory_usage`` so the
-        KV budget does not count the decoder layers twice."""
+    def _correct_weights_memory(self, placement: WeightPlacement, moved: int) -> None:
+        """The packed matrices now live in VMM pages, which vLLM's profiler counts as
+        non-torch memory; their torch copies are freed. Take the bytes torch freed (measured,
+        on CUDA) out of ``model_memory_usage`` so the KV budget does not count them twice."""
         runner = self.model_runner  # type: ignore[attr-defined]
-        moved = placement.num_layers * placement.layer_bytes
         if not current_platform.is_cpu():
             torch.cuda.empty_cache()
         before = int(getattr(runner, "model_memory_usage", 0))
         runner.model_memory_usage = max(0, before - moved)
         logger.info(
-            "dynamic offload: %.2f GiB of decoder weights moved to VMM; torch-held model memory "
-            "%.2f -> %.2f GiB",
+            "dynamic offload: %.2f GiB of decoder weights moved to VMM (%.2f GiB of pages); "
+            "torch-held model memory %.2f -> %.2f GiB",
             moved / 2**30,
+            placement.arena.stats().bytes_allocated / 2**30,
             before / 2**30,
             runner.model_memory_usage / 2**30,
         )
@@ -274,8 +286,8 @@ class DynamicOffloadMixin:
         return tuple(spec.page_size_bytes for spec in specs.values())
 
     def _layer_bytes(self) -> int:
-        state = self._dynoff
-        return state.config.layer_bytes or state.placement.layer_bytes
+        """The layer size the KV tiers are planned with: the scheduler's own figure."""
+        return planned_layer_bytes(self.vllm_config, self._dynoff.config.layer_bytes)  # type: ignore[attr-defined]
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         state = self._dynoff

@@ -38,6 +38,17 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 PAGE_SIZE = 2 << 20
+# PyTorch's caching allocator reserves an allocation over 10 MiB in whole 2 MiB units: what
+# stock vLLM's KV tensors really occupy (c10/cuda/CUDACachingAllocator.cpp, kRoundLarge).
+TORCH_ROUND_LARGE = 2 << 20
+TORCH_LARGE_BUFFER = 10 << 20
+
+
+def torch_reserved(nbytes: int) -> int:
+    """Bytes the caching allocator reserves for one allocation of ``nbytes`` (large ones)."""
+    if nbytes <= TORCH_LARGE_BUFFER:
+        return nbytes
+    return -(-nbytes // TORCH_ROUND_LARGE) * TORCH_ROUND_LARGE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +119,22 @@ def plan_capacity(
     max_level: int,
     page_size: int = PAGE_SIZE,
 ) -> CapacityPlan:
-    """Tiers for a model: each level frees one layer's pages, rounded down to whole groups."""
+    """Tiers for a model: each level frees one layer's pages, rounded down to whole groups.
+
+    Level 0 gets the ``base_blocks`` vLLM sized, in whole groups: rounded up when the last
+    partial group's pages are no more than stock vLLM's own KV tensors would reserve for
+    ``base_blocks`` (:func:`torch_reserved`), so level 0 holds no fewer blocks than stock
+    with no more memory; rounded down otherwise."""
     probe = KVLayout(num_blocks=0, block_bytes=tuple(block_bytes), page_size=page_size)
     layer_pages = -(-layer_bytes // page_size)
     tier_groups = layer_pages // probe.pages_per_group
     base_groups = base_blocks // probe.group_blocks
+    up = (base_groups + 1) * probe.group_blocks
+    if base_blocks % probe.group_blocks and all(
+        base_blocks * b > TORCH_LARGE_BUFFER and up * b <= torch_reserved(base_blocks * b)
+        for b in probe.block_bytes
+    ):
+        base_groups += 1
     if base_groups < 1:
         raise ValueError(
             f"{base_blocks} KV blocks at level 0 do not fill one group of "

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from dynoff.policy.block_pool import CapacityPlan, KVLayout, plan_capacity
 
 
 def decoder_layer_bytes(hf_config: Any, dtype_bytes: int) -> int:
-    """Bytes of one dense decoder layer (Llama / Qwen / Mistral families): attention
-    projections, gated MLP, the two RMSNorms, and Qwen3's q/k norms."""
+    """Bytes of one dense decoder layer's pack (Llama / Qwen / Mistral families): its
+    matrices, the attention projections and the gated MLP. Its vectors (norms, biases) stay
+    resident outside the pack (``compile_pass.placement.packed_parameters``)."""
     text = getattr(hf_config, "text_config", None) or hf_config
     hidden = text.hidden_size
     heads = text.num_attention_heads
@@ -24,12 +26,35 @@ def decoder_layer_bytes(hf_config: Any, dtype_bytes: int) -> int:
     inter = text.intermediate_size
     params = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o, k, v
     params += 3 * hidden * inter  # gate, up, down
-    params += 2 * hidden  # input and post-attention norms
-    if getattr(text, "model_type", "") in ("qwen3", "qwen3_moe"):
-        params += 2 * head_dim  # q_norm, k_norm
-    if getattr(text, "attention_bias", False) or getattr(text, "model_type", "") == "qwen2":
-        params += head_dim * (heads + 2 * kv_heads)
     return params * dtype_bytes
+
+
+def dtype_bytes(dtype: Any) -> int:
+    return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 2
+
+
+def planned_layer_bytes(vllm_config: Any, configured: int | None) -> int:
+    """The layer size both sides plan the KV tiers with: ``layer_bytes`` if the user set it,
+    else :func:`decoder_layer_bytes` of the model's config, split over tensor-parallel ranks.
+    The scheduler has no weights to measure, so the worker plans with the same figure and
+    checks it against the pages a level really frees (:func:`check_planned_layer`)."""
+    model_config = vllm_config.model_config
+    if configured:
+        return configured
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return decoder_layer_bytes(model_config.hf_config, dtype_bytes(model_config.dtype)) // tp
+
+
+def check_planned_layer(planned_bytes: int, real_bytes: int, page_size: int) -> None:
+    """A level may promise the KV cache only the pages it frees: the planned layer must not
+    span more pages than the real one."""
+    planned, real = -(-planned_bytes // page_size), -(-real_bytes // page_size)
+    if planned > real:
+        raise ValueError(
+            f"the KV tiers are planned for layers of {planned} pages ({planned_bytes} bytes) "
+            f"but a decoder layer's matrices fill {real} pages ({real_bytes} bytes); set "
+            f'"layer_bytes": {real_bytes} in the dynamic_offload config'
+        )
 
 
 def layout_strides(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import psutil
-import torch
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -23,16 +21,12 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from dynoff.policy.config import DynamicOffloadConfig
 from dynoff.policy.controller import OffloadController
-from dynoff.policy.geometry import decoder_layer_bytes, recover_plan
+from dynoff.policy.geometry import planned_layer_bytes, recover_plan
 from dynoff.policy.messages import RUNNER_OUTPUT_ATTR, SCHEDULER_OUTPUT_ATTR
 
 logger = init_logger("vllm.dynoff.scheduler")
 
 CUDA_PAGE_SIZE = 2 << 20
-
-
-def dtype_bytes(dtype: Any) -> int:
-    return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 2
 
 
 def page_size_for(config: DynamicOffloadConfig) -> int:
@@ -49,13 +43,10 @@ class DynamicOffloadScheduler(AsyncScheduler):
         config = DynamicOffloadConfig.from_dict(raw)
         model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
         num_layers = model_config.get_num_layers(parallel)
-        tp = parallel.tensor_parallel_size
-        layer_bytes = config.layer_bytes or (
-            decoder_layer_bytes(model_config.hf_config, dtype_bytes(model_config.dtype)) // tp
-        )
-        max_level = config.policy.resolve_max_level(
-            num_layers, layer_bytes, psutil.virtual_memory().available
-        )
+        layer_bytes = planned_layer_bytes(vllm_config, config.layer_bytes)
+        # The workers checked the pinned host memory before pinning it; checked again here,
+        # after they pinned it, it would count their copies against them.
+        max_level = config.policy.resolve_max_level(num_layers, layer_bytes, 1 << 62)
         plan, layout = recover_plan(
             self.kv_cache_config, layer_bytes, max_level, page_size_for(config)
         )

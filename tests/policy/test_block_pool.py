@@ -19,6 +19,7 @@ from dynoff.policy.block_pool import (
     GroupState,
     KVLayout,
     plan_capacity,
+    torch_reserved,
 )
 from tests.policy.kv_fixtures import BLOCK_SIZE, SPEC, make_manager, make_request
 
@@ -42,6 +43,26 @@ def test_group_geometry_matches_the_layout() -> None:
     )
     assert (plan.group_blocks, plan.base_groups, plan.tier_groups) == (256, 2, 1)
     assert plan.capacity_blocks(2) == plan.num_blocks == 1024
+
+
+def test_level_0_matches_stock_where_its_allocator_would_round_up() -> None:
+    # Qwen3-32B on the H200: 64 KV tensors of 64 KiB per block, groups of 32 blocks (one
+    # 2 MiB page per tensor). vLLM sized 6,047 blocks: stock's 377.9 MiB tensors reserve
+    # 378 MiB each, exactly 189 whole groups, so level 0 gets 6,048 blocks, not 188 groups.
+    strides = [64 << 10] * 64
+    plan = plan_capacity(strides, base_blocks=6047, layer_bytes=930 << 20, max_level=32)
+    assert plan.group_blocks == 32
+    assert plan.capacity_blocks(0) == 6048
+    assert plan.capacity_blocks(0) * (64 << 10) <= torch_reserved(6047 * (64 << 10))
+    exact = plan_capacity(strides, base_blocks=6048, layer_bytes=930 << 20, max_level=32)
+    assert exact.capacity_blocks(0) == 6048
+    # 1.5 MiB blocks, 4 per group (3 pages per tensor): 9 blocks are 13.5 MiB, which stock
+    # reserves as 14 MiB; a third group would take 18 MiB, so level 0 keeps two (8 blocks).
+    odd = plan_capacity([3 << 19] * 2, base_blocks=9, layer_bytes=64 << 20, max_level=1)
+    assert (odd.group_blocks, odd.capacity_blocks(0)) == (4, 8)
+    # Below 10 MiB the allocator packs small buffers together: no rounding to lean on.
+    small = plan_capacity([SPEC.page_size_bytes] * 4, 600, layer_bytes=9 << 20, max_level=2)
+    assert small.capacity_blocks(0) == 512
 
 
 def test_refuses_a_layer_that_frees_less_than_a_group() -> None:

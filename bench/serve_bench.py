@@ -1,7 +1,12 @@
 """One system under ``vllm serve``, driven over HTTP by vLLM's own benchmark client.
 
     python -m bench.serve_bench --system stock|plugin --model DIR --trace T.jsonl --out R.json \\
+        [--point JSON] [--trace T2.jsonl --out R2.json --point JSON2 ...] \\
         [--gpu-memory-utilization 0.62] [--server-arg=--max-model-len=4096 ...]
+
+Several ``--trace``/``--out``/``--point`` triples replay one after another on one server
+(each after the last one's requests finished), as a server in service meets changing loads;
+each point's result is written when it is measured.
 
 The server starts as a user starts it: ``vllm serve MODEL --load-format dummy`` plus, for
 ``plugin``, exactly the README's flags (:func:`plugin_flags`) and nothing else; ``stock``
@@ -87,11 +92,11 @@ def server_command(args: argparse.Namespace, port: int, trace: Path) -> list[str
     return cmd
 
 
-def client_command(args: argparse.Namespace, port: int, result_dir: Path) -> list[str]:
+def client_command(model: str, requests: str, port: int, result_dir: Path) -> list[str]:
     head = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
     if not has_vllm_script():
         head = [sys.executable, "-c", CLIENT]
-    count = sum(1 for line in Path(args.trace).read_text().splitlines() if line.strip())
+    count = sum(1 for line in Path(requests).read_text().splitlines() if line.strip())
     return [
         *head,
         "--backend",
@@ -99,13 +104,13 @@ def client_command(args: argparse.Namespace, port: int, result_dir: Path) -> lis
         "--base-url",
         f"http://127.0.0.1:{port}",
         "--model",
-        args.model,
+        model,
         "--tokenizer",
-        args.model,
+        model,
         "--dataset-name",
         "timed_trace",
         "--dataset-path",
-        str(args.trace),
+        str(requests),
         "--num-prompts",
         str(count),
         "--percentile-metrics",
@@ -160,6 +165,7 @@ GAUGES = {
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:num_preemptions_total": "preemptions",
 }
+COUNTERS = ("preemptions",)
 
 
 def read_metrics(port: int) -> dict[str, float]:
@@ -188,32 +194,46 @@ class MetricsSampler(threading.Thread):
         self._t0 = time.monotonic()
 
     def run(self) -> None:
-        while not self._done.wait(self.period_s):
+        while True:
             try:
                 sample = read_metrics(self.port)
             except OSError:
-                continue
-            self.samples.append({"t": round(time.monotonic() - self._t0, 2), **sample})
+                sample = None
+            if sample is not None:
+                self.samples.append({"t": round(time.monotonic() - self._t0, 2), **sample})
+            if self._done.wait(self.period_s):
+                return
 
     def finish(self) -> dict[str, Any]:
+        """Peaks of the gauges; counters (preemptions) as their growth over this point."""
         self._done.set()
         self.join(timeout=5)
         peak = {k: max((s.get(k, 0.0) for s in self.samples), default=0.0) for k in GAUGES.values()}
+        for counter in COUNTERS:
+            first = self.samples[0].get(counter, 0.0) if self.samples else 0.0
+            peak[counter] -= first
         return {"peak": peak, "samples": self.samples}
 
 
-def plugin_summary(trace: Path) -> dict[str, Any]:
-    """Levels and level changes from the plugin's trace."""
-    from dynoff.policy.trace import summarize_trace
+def plugin_summary(trace: Path, start: int = 0, end: int | None = None) -> dict[str, Any]:
+    """Levels and level changes from the plugin's trace, bytes ``[start, end)`` of it (one
+    point of a server that ran several); the calibration is the server's, from its start."""
+    from dynoff.policy.trace import TraceSummary
 
     if not trace.exists():
         return {"error": "the plugin wrote no trace"}
-    records = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    data = trace.read_bytes()
+    parse = lambda chunk: [json.loads(x) for x in chunk.decode().splitlines() if x.strip()]  # noqa: E731
+    records = parse(data[start:end])
+    summary = TraceSummary()
+    for record in records:
+        summary.add(record)
     events = [r for r in records if r.get("kind") == "event"]
     changes = [e for e in events if e["event"] == "level_change"]
+    server_events = [r for r in parse(data) if r.get("kind") == "event"]
     return {
-        **summarize_trace(trace),
-        "calibration": next((e for e in events if e["event"] == "calibration"), None),
+        **summary.as_dict(),
+        "calibration": next((e for e in server_events if e["event"] == "calibration"), None),
         "audits": [e for e in events if e["event"] == "audit"],
         "level_change_stall_ms": [
             {"from": e["from_level"], "to": e["to_level"], "stall_ms": e["remap_ms"]}
@@ -231,69 +251,97 @@ def _count(values: Any) -> dict[str, int]:
     return counts
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Start the server once, replay each trace in turn (each waits for the last one's
+    requests to finish), and write each point's result as soon as it is measured."""
     work = Path(tempfile.mkdtemp(prefix="dynoff-serve-"))
     port = args.port or free_port()
     trace = work / "plugin_trace.jsonl"
     log = Path(args.log or work / "server.log")
     server_cmd = server_command(args, port, trace)
     started = time.monotonic()
+    results: list[dict[str, Any]] = []
     with log.open("wb") as sink:
         server = subprocess.Popen(server_cmd, stdout=sink, stderr=subprocess.STDOUT)
     try:
         wait_ready(server, port, log, args.ready_timeout_s)
         startup_s = time.monotonic() - started
-        print(f"[serve_bench] {args.system} ready in {startup_s:.0f} s; replaying {args.trace}")
-        client_cmd = client_command(args, port, work)
-        sampler = MetricsSampler(port)
-        sampler.start()
-        client = subprocess.run(client_cmd, capture_output=True, text=True)
-        server_metrics = sampler.finish()
-        if client.returncode != 0:
-            raise RuntimeError(f"vllm bench serve failed:\n{client.stderr[-4000:]}")
+        print(f"[serve_bench] {args.system} ready in {startup_s:.0f} s")
+        cases = zip(args.trace, args.point, args.out, strict=True)
+        for index, (requests, point, out) in enumerate(cases):
+            print(f"[serve_bench] point {index + 1}/{len(args.trace)}: replaying {requests}")
+            offset = trace.stat().st_size if trace.exists() else 0
+            client_cmd = client_command(args.model, requests, port, work)
+            sampler = MetricsSampler(port)
+            sampler.start()
+            client = subprocess.run(client_cmd, capture_output=True, text=True)
+            server_metrics = sampler.finish()
+            if client.returncode != 0:
+                raise RuntimeError(f"vllm bench serve failed:\n{client.stderr[-4000:]}")
+            result: dict[str, Any] = {
+                "point": json.loads(point),
+                "system": args.system,
+                "model": args.model,
+                "trace": str(requests),
+                "server_command": server_cmd,
+                "client_command": client_cmd,
+                "startup_s": round(startup_s, 1),
+                "point_index": index,
+                "client": json.loads((work / "client.json").read_text()),
+                "server_metrics": server_metrics,
+                "server_log_tail": log.read_text(errors="replace")[-6000:],
+            }
+            if args.system == "plugin":
+                end = trace.stat().st_size if trace.exists() else None
+                result["plugin"] = plugin_summary(trace, offset, end)
+            write_results(out, result)
+            report_line(args.system, result)
+            results.append(result)
     finally:
         stop(server)
-    result: dict[str, Any] = {
-        "point": json.loads(args.point),
-        "system": args.system,
-        "model": args.model,
-        "trace": str(args.trace),
-        "server_command": server_cmd,
-        "client_command": client_cmd,
-        "startup_s": round(startup_s, 1),
-        "client": json.loads((work / "client.json").read_text()),
-        "server_metrics": server_metrics,
-        "server_log_tail": log.read_text(errors="replace")[-6000:],
-    }
-    if args.system == "plugin":
-        result["plugin"] = plugin_summary(trace)
-    return result
+    return results
+
+
+def report_line(system: str, result: dict[str, Any]) -> None:
+    client = result["client"]
+    print(
+        f"[serve_bench] {system}: {client['completed']} completed, {client['failed']} "
+        f"failed, {client['request_throughput']:.2f} req/s, E2E mean "
+        f"{client['mean_e2el_ms']:.0f} ms, P99 TTFT {client['p99_ttft_ms']:.0f} ms"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system", choices=["stock", "plugin"], required=True)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--trace", required=True, help="timed_trace JSON lines (bench.traces)")
-    parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--trace",
+        action="append",
+        required=True,
+        help="timed_trace JSON lines (bench.traces); repeat for several points on one server",
+    )
+    parser.add_argument("--out", action="append", required=True, help="one per --trace")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--plugin-config", default="{}", help="dynamic_offload settings")
     parser.add_argument("--server-arg", action="append", default=[], help="repeatable")
     parser.add_argument(
-        "--point", default="{}", help='what it measures, e.g. {"regime": "b", "workload": "bursty"}'
+        "--point",
+        action="append",
+        default=None,
+        help='one per --trace: what it measures, e.g. {"regime": "b", "workload": "bursty"}',
     )
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--log", default=None, help="server log file")
     parser.add_argument("--ready-timeout-s", type=float, default=900.0)
     args = parser.parse_args()
-    result = run(args)
-    write_results(args.out, result)
-    client = result["client"]
-    print(
-        f"[serve_bench] {args.system}: {client['completed']} completed, {client['failed']} "
-        f"failed, {client['request_throughput']:.2f} req/s, E2E mean "
-        f"{client['mean_e2el_ms']:.0f} ms, P99 TTFT {client['p99_ttft_ms']:.0f} ms"
-    )
+    args.point = args.point or ["{}"] * len(args.trace)
+    if not len(args.trace) == len(args.out) == len(args.point):
+        parser.error(
+            f"give one --out and one --point per --trace ({len(args.trace)} traces, "
+            f"{len(args.out)} --out, {len(args.point)} --point)"
+        )
+    run(args)
 
 
 if __name__ == "__main__":

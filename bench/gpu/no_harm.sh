@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
 # GPU machine, warm after parcels 1, 2 and the serve parcel (../shared/gpu/README.md). One system
-# per call: `vllm serve` (stock defaults, or the README's plugin flags) driven by `vllm bench serve`.
-#   bash bench/gpu/no_harm.sh SYSTEM MODEL REGIME WORKLOAD TRACE-ARGS...
-#   e.g. bash bench/gpu/no_harm.sh plugin qwen3-32b b bursty bursty --lull-s 15 --burst-s 30 --cycles 1
+# per call: `vllm serve` (stock defaults, or the README's plugin flags) driven by `vllm bench serve`,
+# one point after another on the same server.
+#   bash bench/gpu/no_harm.sh SYSTEM MODEL REGIME "WORKLOAD: TRACE-ARGS" ["WORKLOAD: TRACE-ARGS" ...]
+#   e.g. bash bench/gpu/no_harm.sh plugin qwen3-32b b "bursty: bursty --lull-s 15 --burst-s 30 --cycles 1" \
+#          "sharegpt: poisson --rate 16 --seconds 60"
 # SYSTEM: stock | plugin. REGIME a = gpu_memory_utilization 0.9, b = 0.62. TRACE-ARGS go to
-# bench.traces (shape first: poisson | bursty). Writes $OUT/<system>_h200.json and its server log.
+# bench.traces (shape first: poisson | bursty). Writes $OUT/<system>_<regime>_<workload>_<n>_h200.json
+# per point and the server's log. The compile cache lives under /tmp/site, which survives between
+# calls on a warm machine, so a second server of the same system starts warm.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-system="$1"; model="$2"; regime="$3"; workload="$4"; shift 4
+export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
+system="$1"; model="$2"; regime="$3"; shift 3
 case "$regime" in a) util=0.9 ;; b) util=0.62 ;; *) echo "regime must be a or b"; exit 2 ;; esac
+[ "$#" -ge 1 ] || { echo "give at least one \"WORKLOAD: TRACE-ARGS\""; exit 2; }
 [ -f /tmp/dynoff-env.sh ] || bash bench/gpu/build.sh > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 source /tmp/dynoff-env.sh
-trace="/tmp/trace_${regime}_${workload}.jsonl"
-python3 -m bench.traces "$@" --out "$trace"
-point=$(printf '{"regime": "%s", "workload": "%s", "trace": "%s"}' "$regime" "$workload" "$*")
+points=()
+n=0
+for spec in "$@"; do
+  workload="${spec%%:*}"; args="${spec#*:}"; args="${args# }"
+  [ "$workload" != "$spec" ] || { echo "point \"$spec\" must read \"WORKLOAD: TRACE-ARGS\""; exit 2; }
+  trace="/tmp/trace_${regime}_${workload}_${n}.jsonl"
+  # shellcheck disable=SC2086  # the trace arguments are words
+  python3 -m bench.traces $args --out "$trace" || exit 2
+  point=$(printf '{"regime": "%s", "workload": "%s", "trace": "%s"}' "$regime" "$workload" "$args")
+  points+=(--trace "$trace" --point "$point" --out "$OUT/${system}_${regime}_${workload}_${n}_h200.json")
+  n=$((n + 1))
+done
 python3 -m bench.serve_bench --system "$system" --model "/tmp/site/models/$model" \
-  --gpu-memory-utilization "$util" --trace "$trace" --point "$point" \
-  --out "$OUT/${system}_h200.json" --log "$OUT/${system}_server.log"
+  --gpu-memory-utilization "$util" "${points[@]}" --log "$OUT/${system}_server.log"
 rc=$?
-grep -h "dynamic offload" "$OUT/${system}_server.log" | cut -c1-300 | tail -25
+grep -h "dynamic offload\|Available KV\|KV cache size\|Actual usage" "$OUT/${system}_server.log" | cut -c1-400 | tail -30
 exit $rc

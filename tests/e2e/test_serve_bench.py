@@ -36,15 +36,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     model.mkdir()
     shutil.copy(ROOT / "tests/models/tiny-llama/config.json", model)
     write(model)
-    trace = tmp / "trace.jsonl"
+    bursty, poisson = tmp / "bursty.jsonl", tmp / "poisson.jsonl"
     phases = traces.phases_bursty(0.5, 4.0, lull_s=2, burst_s=4, cycles=1)
-    assert traces.write(trace, traces.trace("sharegpt", phases, seed=3)) >= 10
+    assert traces.write(bursty, traces.trace("sharegpt", phases, seed=3)) >= 10
+    assert traces.write(poisson, traces.trace("sharegpt", [traces.Phase(2.0, 3.0)], seed=4)) >= 2
     out = {}
-    for system in ("stock", "plugin"):
+    for system in ("stock", "plugin"):  # two points on each server, one after the other
         out[system] = tmp / f"{system}.json"
+        out[f"{system}_poisson"] = tmp / f"{system}_poisson.json"
         cmd = [sys.executable, "-m", "bench.serve_bench", "--system", system]
-        cmd += ["--model", str(model), "--trace", str(trace), "--out", str(out[system])]
-        cmd += ["--point", json.dumps({"regime": "cpu", "workload": "bursty"}), *SERVER_ARGS]
+        cmd += ["--model", str(model), "--trace", str(bursty), "--out", str(out[system])]
+        cmd += ["--point", json.dumps({"regime": "cpu", "workload": "bursty"})]
+        cmd += ["--trace", str(poisson), "--out", str(out[f"{system}_poisson"])]
+        cmd += ["--point", json.dumps({"regime": "cpu", "workload": "poisson"}), *SERVER_ARGS]
         if system == "plugin":
             cmd += ["--plugin-config", json.dumps({"host_page_size": 64 << 10})]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -54,7 +58,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_both_servers_serve_every_request_of_the_trace(runs: dict[str, Path]) -> None:
     count = None
-    for path in runs.values():
+    for path in (runs["stock"], runs["plugin"]):
         result = json.loads(path.read_text())
         client = result["client"]
         assert client["failed"] == 0 and client["completed"] == client["num_prompts"]
@@ -78,10 +82,30 @@ def test_the_plugin_calibrates_decides_and_records_every_change(runs: dict[str, 
     assert all(c["stall_ms"] > 0 for c in plugin["level_change_stall_ms"])
 
 
-def test_the_no_harm_report_pairs_the_two_runs(runs: dict[str, Path]) -> None:
-    result = report([str(runs["stock"]), str(runs["plugin"])])
-    [point] = result["points"]
-    assert point["regime"] == "cpu" and point["workload"] == "bursty"
-    assert point["throughput_ratio"] > 0 and point["e2e_p99_ratio"] > 0
+def test_a_second_point_on_the_same_server_reports_only_its_own_steps(
+    runs: dict[str, Path],
+) -> None:
+    first = json.loads(runs["plugin"].read_text())
+    second = json.loads(runs["plugin_poisson"].read_text())
+    assert (first["point_index"], second["point_index"]) == (0, 1)
+    assert second["startup_s"] == first["startup_s"]  # one server, started once
+    assert second["client"]["completed"] == second["client"]["num_prompts"] >= 2
+    assert second["client"]["completed"] < first["client"]["completed"]
+    # The trace segment of the second point holds its steps only: fewer than the first's
+    # and, with the calibration the server measured at start, the same calibration.
+    assert 0 < second["plugin"]["steps"] < first["plugin"]["steps"]
+    assert second["plugin"]["calibration"] == first["plugin"]["calibration"]
+    for name in ("stock", "plugin"):
+        peak = json.loads(runs[f"{name}_poisson"].read_text())["server_metrics"]["peak"]
+        assert peak["preemptions"] >= 0  # counted from the point's own start
+
+
+def test_the_no_harm_report_pairs_the_runs_point_by_point(runs: dict[str, Path]) -> None:
+    result = report([str(p) for p in runs.values()])
+    bursty, poisson = sorted(result["points"], key=lambda p: p["workload"])
+    assert (bursty["workload"], poisson["workload"]) == ("bursty", "poisson")
+    for point in (bursty, poisson):
+        assert point["regime"] == "cpu"
+        assert point["throughput_ratio"] > 0 and point["e2e_p99_ratio"] > 0
     assert result["failed_requests"] == {"stock": 0, "plugin": 0}
     assert result["unpaired"] == []

@@ -122,6 +122,7 @@ def client_command(model: str, requests: str, port: int, result_dir: Path) -> li
         str(result_dir),
         "--result-filename",
         "client.json",
+        "--save-detailed",
         "--disable-tqdm",
     ]
 
@@ -287,7 +288,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "client_command": client_cmd,
                 "startup_s": round(startup_s, 1),
                 "point_index": index,
-                "client": json.loads((work / "client.json").read_text()),
+                "client": client_result(work / "client.json"),
                 "server_metrics": server_metrics,
                 "server_log_tail": log.read_text(errors="replace")[-6000:],
             }
@@ -300,6 +301,26 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     finally:
         stop(server)
     return results
+
+
+DETAILED = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts")
+
+
+def client_result(path: Path) -> dict[str, Any]:
+    """vLLM's result without its per-request arrays (``--save-detailed`` writes them so
+    that a failed request's error is kept), plus ``failures``: each failed request's index,
+    prompt length and error text."""
+    result = json.loads(path.read_text())
+    errors = result.pop("errors", None) or []
+    lens = result.get("input_lens") or []
+    result["failures"] = [
+        {"index": i, "input_len": lens[i] if i < len(lens) else None, "error": e[-2000:]}
+        for i, e in enumerate(errors)
+        if e
+    ]
+    for key in DETAILED:
+        result.pop(key, None)
+    return result
 
 
 def report_line(system: str, result: dict[str, Any]) -> None:

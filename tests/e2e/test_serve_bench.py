@@ -63,6 +63,7 @@ def test_both_servers_serve_every_request_of_the_trace(runs: dict[str, Path]) ->
         client = result["client"]
         assert client["failed"] == 0 and client["completed"] == client["num_prompts"]
         assert client["p99_ttft_ms"] > 0 and client["median_tpot_ms"] > 0
+        assert client["failures"] == [] and "itls" not in client  # errors kept, arrays not
         count = count or client["completed"]
         assert client["completed"] == count  # the same trace, replayed by vLLM's client
         peak = result["server_metrics"]["peak"]  # sampled from the server's /metrics

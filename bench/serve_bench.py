@@ -198,10 +198,9 @@ class MetricsSampler(threading.Thread):
         while True:
             try:
                 sample = read_metrics(self.port)
-            except OSError:
-                sample = None
-            if sample is not None:
                 self.samples.append({"t": round(time.monotonic() - self._t0, 2), **sample})
+            except OSError:
+                pass
             if self._done.wait(self.period_s):
                 return
 
@@ -224,14 +223,13 @@ def plugin_summary(trace: Path, start: int = 0, end: int | None = None) -> dict[
     if not trace.exists():
         return {"error": "the plugin wrote no trace"}
     data = trace.read_bytes()
-    parse = lambda chunk: [json.loads(x) for x in chunk.decode().splitlines() if x.strip()]  # noqa: E731
-    records = parse(data[start:end])
+    records = _records(data[start:end])
     summary = TraceSummary()
     for record in records:
         summary.add(record)
     events = [r for r in records if r.get("kind") == "event"]
     changes = [e for e in events if e["event"] == "level_change"]
-    server_events = [r for r in parse(data) if r.get("kind") == "event"]
+    server_events = [r for r in _records(data[:start]) + records if r.get("kind") == "event"]
     return {
         **summary.as_dict(),
         "calibration": next((e for e in server_events if e["event"] == "calibration"), None),
@@ -242,6 +240,10 @@ def plugin_summary(trace: Path, start: int = 0, end: int | None = None) -> dict[
         ],
         "decisions": _count(r.get("decision") for r in records if r.get("kind") == "step"),
     }
+
+
+def _records(chunk: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in chunk.decode().splitlines() if line.strip()]
 
 
 def _count(values: Any) -> dict[str, int]:

@@ -212,8 +212,7 @@ class DynamicOffloadMixin:
             moved = placement.num_layers * placement.layer_bytes
         self._correct_weights_memory(placement, moved)
         planned = planned_layer_bytes(self.vllm_config, config.layer_bytes)  # type: ignore[attr-defined]
-        check_planned_layer(planned, placement.layer_bytes, arena.page_size)
-        if -(-planned // arena.page_size) < placement.pages_per_layer:
+        if check_planned_layer(planned, placement.layer_bytes, arena.page_size) > 0:
             logger.warning(
                 "dynamic offload: the KV tiers are planned for %.1f MiB layers but a layer "
                 'frees %d pages (%.1f MiB); the rest stays unused. Set "layer_bytes": %d.',

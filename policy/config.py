@@ -133,10 +133,11 @@ class PolicyConfig:
             raise ValueError(f"proxy={self.proxy!r}: use 'decode' or 'model'")
 
     def resolve_max_level(
-        self, num_layers: int, layer_bytes: int, pinned_bytes_available: int
+        self, num_layers: int, layer_bytes: int, pinned_bytes_available: int | None
     ) -> int:
         """The max level for a model of ``num_layers`` equal layers, checked against ⌊N/2⌋
-        and pinned host memory (each level pins two layers: the pair sharing one region)."""
+        and pinned host memory (each level pins two layers: the pair sharing one region);
+        ``pinned_bytes_available=None`` leaves the memory unchecked."""
         if num_layers < 2:
             raise ValueError(
                 f"dynamic offloading needs at least 2 decoder layers, got {num_layers}"
@@ -149,7 +150,11 @@ class PolicyConfig:
                 f"set max_level <= {ceiling}"
             )
         per_level = 2 * layer_bytes
-        if per_level > 0 and level * per_level > pinned_bytes_available:
+        if (
+            pinned_bytes_available is not None
+            and per_level > 0
+            and level * per_level > pinned_bytes_available
+        ):
             fits = pinned_bytes_available // per_level
             raise ValueError(
                 f"max_level={level} needs {level * per_level / 2**30:.1f} GiB of pinned host "

@@ -38,16 +38,16 @@ def planned_layer_bytes(vllm_config: Any, configured: int | None) -> int:
     else :func:`decoder_layer_bytes` of the model's config, split over tensor-parallel ranks.
     The scheduler has no weights to measure, so the worker plans with the same figure and
     checks it against the pages a level really frees (:func:`check_planned_layer`)."""
-    model_config = vllm_config.model_config
     if configured:
         return configured
+    model_config = vllm_config.model_config
     tp = vllm_config.parallel_config.tensor_parallel_size
     return decoder_layer_bytes(model_config.hf_config, dtype_bytes(model_config.dtype)) // tp
 
 
-def check_planned_layer(planned_bytes: int, real_bytes: int, page_size: int) -> None:
+def check_planned_layer(planned_bytes: int, real_bytes: int, page_size: int) -> int:
     """A level may promise the KV cache only the pages it frees: the planned layer must not
-    span more pages than the real one."""
+    span more pages than the real one. Returns the pages a level frees beyond the plan."""
     planned, real = -(-planned_bytes // page_size), -(-real_bytes // page_size)
     if planned > real:
         raise ValueError(
@@ -55,6 +55,7 @@ def check_planned_layer(planned_bytes: int, real_bytes: int, page_size: int) -> 
             f"but a decoder layer's matrices fill {real} pages ({real_bytes} bytes); set "
             f'"layer_bytes": {real_bytes} in the dynamic_offload config'
         )
+    return real - planned
 
 
 def layout_strides(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:

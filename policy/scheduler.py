@@ -46,7 +46,7 @@ class DynamicOffloadScheduler(AsyncScheduler):
         layer_bytes = planned_layer_bytes(vllm_config, config.layer_bytes)
         # The workers checked the pinned host memory before pinning it; checked again here,
         # after they pinned it, it would count their copies against them.
-        max_level = config.policy.resolve_max_level(num_layers, layer_bytes, 1 << 62)
+        max_level = config.policy.resolve_max_level(num_layers, layer_bytes, None)
         plan, layout = recover_plan(
             self.kv_cache_config, layer_bytes, max_level, page_size_for(config)
         )

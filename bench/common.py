@@ -34,6 +34,9 @@ def machine_info() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
+        # Which GPU, not only which kind: two H200s of this fleet differ by up to 6% in step
+        # time, so a ratio is only read between runs on the same device.
+        info["gpu_uuid"] = str(torch.cuda.get_device_properties(0).uuid)
     else:
         info["gpu"] = None
     return info

@@ -59,6 +59,8 @@ def compare(stock: dict[str, Any], plugin: dict[str, Any]) -> dict[str, Any]:
         if (kind == "min" and ratio < bound) or (kind == "max" and ratio > bound):
             misses.append(name)
     row["misses"] = misses
+    uuids = {run.get("machine", {}).get("gpu_uuid") for run in (stock, plugin)}
+    row["same_gpu"] = None if None in uuids else len(uuids) == 1  # None: not recorded
     row["levels_visited"] = plugin.get("plugin", {}).get("levels_visited")
     for system, run in (("stock", stock), ("plugin", plugin)):  # did the point bind KV?
         peak = run.get("server_metrics", {}).get("peak")

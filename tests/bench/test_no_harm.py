@@ -1,0 +1,42 @@
+"""The no-harm report's arithmetic on hand-made run records (the serving runs themselves are
+covered by tests/e2e/test_serve_bench.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.no_harm import compare, rate_of
+
+
+def run(system: str, uuid: str | None, **client: float) -> dict[str, Any]:
+    base = {
+        "request_throughput": 10.0,
+        "mean_e2el_ms": 1000.0,
+        "p99_e2el_ms": 3000.0,
+        "p99_ttft_ms": 200.0,
+        "median_tpot_ms": 30.0,
+    }
+    machine = {"gpu": "NVIDIA H200"} | ({"gpu_uuid": uuid} if uuid else {})
+    point = {"regime": "b", "workload": "sharegpt", "trace": "poisson --rate 18 --seconds 60"}
+    return {"system": system, "point": point, "machine": machine, "client": base | client}
+
+
+def test_ratios_and_misses_are_read_against_the_bounds() -> None:
+    row = compare(
+        run("stock", "GPU-a"), run("plugin", "GPU-a", p99_ttft_ms=260.0, mean_e2el_ms=1010.0)
+    )
+    assert row["rate"] == 18.0
+    assert row["ttft_p99_ratio"] == 1.3 and row["e2e_mean_ratio"] == 1.01
+    assert row["misses"] == ["ttft_p99_ratio"]  # 1.01 is inside the 1.02 bound, 1.3 is not
+    assert row["same_gpu"] is True
+
+
+def test_a_pair_from_two_gpus_is_flagged() -> None:
+    assert compare(run("stock", "GPU-a"), run("plugin", "GPU-b"))["same_gpu"] is False
+    assert compare(run("stock", None), run("plugin", "GPU-b"))["same_gpu"] is None
+
+
+def test_the_rate_is_read_from_the_trace_arguments() -> None:
+    assert rate_of({"trace": "bursty --lull-rate 3 --burst-rate 18 --cycles 2"}) == "3/18"
+    assert rate_of({"trace": "poisson --workload longprompt --rate 2 --seconds 90"}) == 2.0
+    assert rate_of({"rate": 5}) == 5

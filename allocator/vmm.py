@@ -1,7 +1,8 @@
 """Torch-facing API over the VMM arena.
 
 Vocabulary
-    page     one physical page of ``page_size`` bytes (2 MiB on CUDA; configurable on the host).
+    page     one physical page of ``page_size`` bytes, one driver handle (2 MiB by default;
+             any multiple of the driver's granularity).
     range    a reserved virtual address range of whole pages. Its address never changes. Each
              of its pages reads either a pool page (read-write) or the shared zero page
              (read-only, reads as zeros), so every address of a range is always valid.
@@ -148,8 +149,11 @@ class VmmArena:
         backend: ``"cuda"`` (CUDA driver VMM on ``device``'s primary context), ``"host"``
             (memfd pages, for CPUs and tests), or ``"auto"`` (cuda when torch sees a GPU).
         device: CUDA device ordinal (ignored on the host backend).
-        page_size: host backend's page size in bytes (default 2 MiB, as on CUDA); must be 0
-            (driver's granularity) on CUDA.
+        page_size: bytes per page, each page one physical handle. 0 = the default: the
+            driver's allocation granularity on CUDA (2 MiB), 2 MiB on the host. On CUDA it
+            must be a multiple of the granularity, on the host of the system page. The
+            driver charges per mapping, not per byte, so larger pages make a remap of the
+            same bytes cheaper (bench/results/vmm_handle_size_h200.json).
         coalesce: issue one unmap / set-access call per run of consecutive slots instead of
             one per slot. Default: off on CUDA, where the driver still charges per mapping and
             the ranged calls measured slower (level transition 54.7 vs 43.7 ms on the H200,

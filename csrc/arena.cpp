@@ -22,7 +22,7 @@ std::string slot_name(std::int64_t range, std::int64_t offset) {
 }  // namespace
 
 Arena::Arena(std::unique_ptr<Driver> driver, bool coalesce)
-    : driver_(std::move(driver)), page_size_(driver_->granularity()), coalesce_(coalesce) {
+    : driver_(std::move(driver)), page_size_(driver_->page_size()), coalesce_(coalesce) {
   zero_handle_ = driver_->create_page();
 }
 

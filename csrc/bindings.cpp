@@ -36,10 +36,7 @@ class RangeHandle {
 std::shared_ptr<Arena> make_arena(const std::string& backend, int device, std::size_t page_size,
                                   bool coalesce) {
   if (backend == "cuda") {
-    if (page_size != 0) {
-      throw std::invalid_argument("page_size is set by the CUDA driver's granularity; pass 0");
-    }
-    return std::make_shared<Arena>(dynoff::make_cuda_driver(device), coalesce);
+    return std::make_shared<Arena>(dynoff::make_cuda_driver(device, page_size), coalesce);
   }
   if (backend == "host") return std::make_shared<Arena>(dynoff::make_host_driver(page_size), coalesce);
   throw std::invalid_argument("unknown backend '" + backend + "'; expected 'cuda' or 'host'");

@@ -3,6 +3,9 @@
 // the one torch uses, so our addresses are valid in torch's kernels and CUDA graphs.
 #include <dlfcn.h>
 
+#include <stdexcept>
+#include <string>
+
 #include "cuda_api.h"
 #include "driver.h"
 
@@ -87,7 +90,7 @@ void check(CUresult rc, const char* call, const char* file, int line) {
 
 class CudaDriver final : public Driver {
  public:
-  explicit CudaDriver(int device) : ordinal_(device) {
+  CudaDriver(int device, std::size_t page_size) : ordinal_(device) {
     CU_CHECK(api().cuInit(0));
     CU_CHECK(api().cuDeviceGet(&device_, ordinal_));
     CU_CHECK(api().cuDevicePrimaryCtxRetain(&context_, device_));
@@ -97,12 +100,21 @@ class CudaDriver final : public Driver {
     use_context();
     CU_CHECK(api().cuMemGetAllocationGranularity(&granularity_, &prop_,
                                                   CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    // A page is one physical handle. The driver charges per mapping, not per byte, so larger
+    // pages make a level change cheaper; it must be whole granules.
+    page_size_ = page_size == 0 ? granularity_ : page_size;
+    if (page_size_ % granularity_ != 0) {
+      api().cuDevicePrimaryCtxRelease(device_);
+      throw std::invalid_argument("page_size " + std::to_string(page_size) +
+                                  " is not a multiple of the CUDA allocation granularity " +
+                                  std::to_string(granularity_));
+    }
   }
   ~CudaDriver() override { api().cuDevicePrimaryCtxRelease(device_); }
 
   std::string name() const override { return "cuda"; }
   int device() const override { return ordinal_; }
-  std::size_t granularity() const override { return granularity_; }
+  std::size_t page_size() const override { return page_size_; }
 
   std::uintptr_t reserve(std::size_t bytes) override {
     use_context();
@@ -117,14 +129,14 @@ class CudaDriver final : public Driver {
   Handle create_page() override {
     use_context();
     CUmemGenericAllocationHandle handle = 0;
-    CU_CHECK(api().cuMemCreate(&handle, granularity_, &prop_, 0));
+    CU_CHECK(api().cuMemCreate(&handle, page_size_, &prop_, 0));
     return static_cast<Handle>(handle);
   }
   void release_page(Handle handle) noexcept override { api().cuMemRelease(handle); }
 
   void map(std::uintptr_t va, Handle handle) override {
     use_context();
-    CU_CHECK(api().cuMemMap(static_cast<CUdeviceptr>(va), granularity_, 0, handle, 0));
+    CU_CHECK(api().cuMemMap(static_cast<CUdeviceptr>(va), page_size_, 0, handle, 0));
   }
   void unmap(std::uintptr_t va, std::size_t bytes) override {
     use_context();
@@ -155,10 +167,13 @@ class CudaDriver final : public Driver {
   CUcontext context_ = nullptr;
   CUmemAllocationProp prop_{};
   std::size_t granularity_ = 0;
+  std::size_t page_size_ = 0;
 };
 
 }  // namespace
 
-std::unique_ptr<Driver> make_cuda_driver(int device) { return std::make_unique<CudaDriver>(device); }
+std::unique_ptr<Driver> make_cuda_driver(int device, std::size_t page_size) {
+  return std::make_unique<CudaDriver>(device, page_size);
+}
 
 }  // namespace dynoff

@@ -38,8 +38,9 @@ class Driver {
   virtual ~Driver() = default;
   virtual std::string name() const = 0;
   virtual int device() const = 0;
-  // Page size of this driver in bytes (CUDA: the allocation granularity).
-  virtual std::size_t granularity() const = 0;
+  // Page size of this driver in bytes: one physical handle (CUDA: a multiple of the
+  // allocation granularity, by default the granularity itself).
+  virtual std::size_t page_size() const = 0;
 
   virtual std::uintptr_t reserve(std::size_t bytes) = 0;
   virtual void free_reservation(std::uintptr_t va, std::size_t bytes) noexcept = 0;
@@ -56,8 +57,8 @@ class Driver {
   virtual void synchronize() = 0;
 };
 
-// `page_size` is honoured by the host backend only (CUDA uses its granularity); 0 = default.
-std::unique_ptr<Driver> make_cuda_driver(int device);
+// `page_size` 0 = the default (CUDA: the allocation granularity; host: 2 MiB).
+std::unique_ptr<Driver> make_cuda_driver(int device, std::size_t page_size);
 std::unique_ptr<Driver> make_host_driver(std::size_t page_size);
 
 }  // namespace dynoff

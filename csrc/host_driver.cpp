@@ -39,7 +39,7 @@ class HostDriver final : public Driver {
 
   std::string name() const override { return "host"; }
   int device() const override { return -1; }
-  std::size_t granularity() const override { return page_size_; }
+  std::size_t page_size() const override { return page_size_; }
 
   std::uintptr_t reserve(std::size_t bytes) override {
     void* va = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);

@@ -14,12 +14,22 @@ import torch
 
 from dynoff.allocator import ZERO_PAGE, PagePoolExhausted, VmmArena, VmmDriverError
 
-BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu)]
+MiB = 1 << 20
+# (backend, page size): the default page (one granule) and a page of three granules, as the
+# level changes use to cut driver calls (a non-power-of-two size, like 30 MiB for Qwen3-32B).
+BACKENDS = [
+    ("host", 0),
+    ("host", 6 * MiB),
+    pytest.param(("cuda", 0), marks=pytest.mark.gpu),
+    pytest.param(("cuda", 6 * MiB), marks=pytest.mark.gpu),
+]
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=BACKENDS, ids=lambda p: f"{p[0]}-{p[1] // MiB or 'default'}")
 def arena(request: pytest.FixtureRequest) -> VmmArena:
-    arena = VmmArena(request.param)
+    backend, page_size = request.param
+    arena = VmmArena(backend, page_size=page_size)
+    assert arena.page_size == (page_size or 2 * MiB)
     arena.create_pages(8)
     return arena
 
@@ -41,7 +51,7 @@ def read(arena: VmmArena, r, offset: int) -> torch.Tensor:
 def test_fresh_range_reads_zeros(arena: VmmArena) -> None:
     r = arena.reserve(3)
     assert r.mapping() == [ZERO_PAGE] * 3
-    assert r.ptr % arena.page_size == 0 or arena.backend == "host"
+    assert r.ptr % (2 * MiB) == 0 or arena.backend == "host"  # granule-aligned on CUDA
     assert torch.count_nonzero(r.bytes().cpu()) == 0
 
 
@@ -187,3 +197,10 @@ def test_teardown_releases_ranges_and_pages(arena: VmmArena) -> None:
     arena.free_pages(pages)
     assert arena.trim_pages(100) == 8
     assert arena.stats().pages_total == 0
+
+
+@pytest.mark.parametrize("backend", ["host", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_page_that_is_not_whole_granules_is_refused(backend: str) -> None:
+    granule = 2 * MiB if backend == "cuda" else 4096
+    with pytest.raises(ValueError, match="multiple"):
+        VmmArena(backend, page_size=3 * granule // 2)

@@ -1,5 +1,8 @@
 """Microbenchmark of the VMM arena: µs per page for map, unmap, alias and set-access over
-batches of 1..4096 pages, and a full offload-level transition for a Qwen3-32B-sized layer.
+batches of 1..4096 pages, and a full offload-level transition for a Qwen3-32B-sized layer,
+with the default 2 MiB page and with the larger pages of ``--page-sizes`` (one physical
+handle per page: the driver charges per mapping, so a larger page remaps the same bytes with
+fewer calls; the KV side is then one packed range, as a page spans many blocks' layers).
 
 A level transition k -> k+1 for layers (i, j = i + N/2):
   1. j's own pages leave j's range and are mapped into the KV ranges (the freed memory), and
@@ -7,7 +10,7 @@ A level transition k -> k+1 for layers (i, j = i + N/2):
 k+1 -> k is the reverse (KV slots unmapped after a device synchronize; j gets its pages back).
 The copy of j's weights back from pinned CPU memory is not part of the remap and not timed.
 
-    python bench/vmm_bench.py --out bench/results/vmm_h200.json
+    python -m bench.vmm_bench --page-sizes 30 --out bench/results/vmm_h200.json
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from bench.common import median, write_results
 from dynoff.allocator import ZERO_PAGE, VmmArena, VmmRange
 from dynoff.policy.trace import trace_range
 
-# Qwen3-32B decoder layer in bf16: q,o 5120x8192; k,v 5120x1024; gate,up,down 5120x25600.
-QWEN3_32B_LAYER_BYTES = 2 * (2 * 5120 * 8192 + 2 * 5120 * 1024 + 3 * 5120 * 25600 + 2 * 5120)
+# Qwen3-32B decoder layer's matrices in bf16 (what a pack holds; the norms stay resident):
+# q,o 5120x8192; k,v 5120x1024; gate,up,down 5120x25600. 930 MiB, 465 pages of 2 MiB.
+QWEN3_32B_LAYER_BYTES = 2 * (2 * 5120 * 8192 + 2 * 5120 * 1024 + 3 * 5120 * 25600)
+MiB = 1 << 20
 QWEN3_32B_LAYERS = 64
 BATCHES = [1, 4, 16, 64, 256, 1024, 4096]
 
@@ -135,7 +140,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"down {row['down_ms']:.2f} ms"
             )
     summarize(results)
+    results["level_transition_by_page_size"] = [
+        by_page_size(args.backend, mib * MiB, args.repeats) for mib in args.page_sizes
+    ]
     return results
+
+
+def by_page_size(backend: str, page_size: int, repeats: int) -> dict[str, Any]:
+    """The transition on an arena of ``page_size`` pages, KV in one packed range, both modes."""
+    arena = VmmArena(backend, page_size=page_size)
+    arena.create_pages(2 * arena.pages_for(QWEN3_32B_LAYER_BYTES))
+    row: dict[str, Any] = {"page_size": page_size}
+    for coalesce in (True, False):
+        arena.coalesce = coalesce
+        key = "coalesced" if coalesce else "per_page"
+        row[key] = level_transition(arena, 1, repeats)
+        t = row[key]
+        print(
+            f"[{key}] page {page_size // MiB} MiB, {t['pages_per_layer']} pages a layer: "
+            f"up {t['up_ms']:.2f} ms, down {t['down_ms']:.2f} ms"
+        )
+    return row
 
 
 def summarize(results: dict[str, Any]) -> None:
@@ -165,6 +190,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "host"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--page-sizes",
+        type=int,
+        nargs="*",
+        default=[30, 62],
+        metavar="MIB",
+        help="larger pages (MiB, whole 2 MiB granules) to time the transition with",
+    )
     parser.add_argument("--out", default="bench/results/vmm_h200.json")
     args = parser.parse_args()
     torch.manual_seed(0)

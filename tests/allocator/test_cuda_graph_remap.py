@@ -12,8 +12,11 @@ from dynoff.allocator import ZERO_PAGE, VmmArena
 pytestmark = pytest.mark.gpu
 
 
-def test_graph_replay_follows_remapped_pages() -> None:
-    arena = VmmArena("cuda")
+@pytest.mark.parametrize("page_size", [0, 30 << 20], ids=["2MiB", "30MiB"])
+def test_graph_replay_follows_remapped_pages(page_size: int) -> None:
+    """Also with multi-granule pages (one 30 MiB handle per page, as a level change of
+    Qwen3-32B uses): the graph reads the new handles' bytes across each page's whole span."""
+    arena = VmmArena("cuda", page_size=page_size)
     arena.create_pages(4)
     pages = arena.allocate_pages(4)
     x_range, staging = arena.reserve(2), arena.reserve(2)

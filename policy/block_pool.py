@@ -93,19 +93,35 @@ class KVLayout:
 
 @dataclasses.dataclass(frozen=True)
 class CapacityPlan:
-    """Groups per level: ``base_groups`` at k = 0 plus ``tier_groups`` per level."""
+    """Groups per level: ``base_groups`` at k = 0, then the groups the freed layers' pages fill.
+
+    Each level frees ``layer_pages`` pages and a group takes ``pages_per_group``. Pages a
+    level frees beyond its whole groups are not lost: they wait in the pool for the next
+    level's, so level k holds ``base_groups + (k * layer_pages) // pages_per_group`` groups
+    and a change between two levels maps or unmaps :meth:`tier` groups (which may differ by
+    one from level to level).
+    """
 
     group_blocks: int
     base_groups: int
-    tier_groups: int
     max_level: int
+    layer_pages: int
+    pages_per_group: int
+
+    def __post_init__(self) -> None:
+        if min(self.group_blocks, self.layer_pages, self.pages_per_group) < 1:
+            raise ValueError(f"a capacity plan needs positive sizes, not {self}")
 
     @property
     def num_blocks(self) -> int:
-        return (self.base_groups + self.max_level * self.tier_groups) * self.group_blocks
+        return self.groups_at(self.max_level) * self.group_blocks
 
     def groups_at(self, level: int) -> int:
-        return self.base_groups + level * self.tier_groups
+        return self.base_groups + (level * self.layer_pages) // self.pages_per_group
+
+    def tier(self, level: int) -> int:
+        """Groups mapped going from ``level`` to ``level + 1`` (unmapped coming back)."""
+        return self.groups_at(level + 1) - self.groups_at(level)
 
     def capacity_blocks(self, level: int) -> int:
         """C_k: blocks at level k, the null block included."""
@@ -119,7 +135,8 @@ def plan_capacity(
     max_level: int,
     page_size: int = PAGE_SIZE,
 ) -> CapacityPlan:
-    """Tiers for a model: each level frees one layer's pages, rounded down to whole groups.
+    """Tiers for a model: each level frees one layer's pages, which fill whole groups (the
+    remainder carried to the next level, :class:`CapacityPlan`).
 
     Level 0 gets the ``base_blocks`` vLLM sized, in whole groups: rounded up when the last
     partial group's pages are no more than stock vLLM's own KV tensors would reserve for
@@ -127,7 +144,6 @@ def plan_capacity(
     with no more memory; rounded down otherwise."""
     probe = KVLayout(num_blocks=0, block_bytes=tuple(block_bytes), page_size=page_size)
     layer_pages = -(-layer_bytes // page_size)
-    tier_groups = layer_pages // probe.pages_per_group
     base_groups = base_blocks // probe.group_blocks
     up = (base_groups + 1) * probe.group_blocks
     if base_blocks % probe.group_blocks and all(
@@ -140,12 +156,14 @@ def plan_capacity(
             f"{base_blocks} KV blocks at level 0 do not fill one group of "
             f"{probe.group_blocks} blocks; give the KV cache more memory"
         )
-    if max_level > 0 and tier_groups < 1:
+    if max_level > 0 and layer_pages < probe.pages_per_group:
         raise ValueError(
             f"one layer ({layer_pages} pages) frees less than one KV group "
             f"({probe.pages_per_group} pages): offloading would not grow the KV cache"
         )
-    return CapacityPlan(probe.group_blocks, base_groups, tier_groups, max_level)
+    return CapacityPlan(
+        probe.group_blocks, base_groups, max_level, layer_pages, probe.pages_per_group
+    )
 
 
 class GroupState(enum.Enum):

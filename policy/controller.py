@@ -236,7 +236,7 @@ class OffloadController:
             decision = self.policy.decide(pressure)
             target, self._decision, self._last = decision.level, decision.reason, decision
         if target > self.level:
-            groups = self.elastic.begin_grow(self.plan.tier_groups)
+            groups = self.elastic.begin_grow(self.plan.tier(self.level))
             return self._issue(step, self.level + 1, map_=groups)
         if target < self.level:
             under_pressure = self._decision in ("down-pressure", "down-loss")
@@ -247,7 +247,7 @@ class OffloadController:
                     self.level,
                     target,
                 )
-            self.elastic.begin_shrink(self.plan.tier_groups, step, hold=under_pressure)
+            self.elastic.begin_shrink(self.plan.tier(self.level - 1), step, hold=under_pressure)
             ready = self.elastic.take_ready(step)
             if ready:
                 return self._issue(step, self.level - 1, unmap=ready)

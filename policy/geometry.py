@@ -6,6 +6,7 @@ capacity) and the scheduler recovers the same plan from the resulting ``KVCacheC
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -81,12 +82,13 @@ def recover_plan(
     strides = layout_strides(kv_cache_config)
     probe = plan_capacity(strides, 1 << 62, layer_bytes, max_level, page_size)
     total_groups = kv_cache_config.num_blocks // probe.group_blocks
-    base_groups = total_groups - max_level * probe.tier_groups
+    tiers = probe.groups_at(max_level) - probe.groups_at(0)
+    base_groups = total_groups - tiers
     if base_groups < 1:
         raise ValueError(
             f"the KV cache ({kv_cache_config.num_blocks} blocks) is too small for "
-            f"{max_level} levels of {probe.tier_groups} groups; was the worker started with "
+            f"{max_level} levels ({tiers} groups); was the worker started with "
             "the dynamic-offload --worker-cls?"
         )
-    plan = CapacityPlan(probe.group_blocks, base_groups, probe.tier_groups, max_level)
+    plan = dataclasses.replace(probe, base_groups=base_groups)
     return plan, KVLayout(kv_cache_config.num_blocks, strides, page_size)

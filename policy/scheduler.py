@@ -61,11 +61,11 @@ class DynamicOffloadScheduler(AsyncScheduler):
         )
         logger.info(
             "dynamic offload: %d layers, max level %d, KV capacity %d blocks at level 0 and "
-            "+%d per level (groups of %d blocks)",
+            "+%.0f per level (groups of %d blocks)",
             num_layers,
             max_level,
             plan.capacity_blocks(0),
-            plan.tier_groups * plan.group_blocks,
+            plan.layer_pages / plan.pages_per_group * plan.group_blocks,
             plan.group_blocks,
         )
 

@@ -20,7 +20,7 @@ from tests.allocator.kv_config import kv_config
 from tests.compile_pass.toy_model import ToyDecoder
 
 PAGE = 64 << 10
-PLAN = CapacityPlan(group_blocks=1, base_groups=8, tier_groups=2, max_level=2)
+PLAN = CapacityPlan(group_blocks=1, base_groups=8, max_level=2, layer_pages=2, pages_per_group=1)
 
 
 def rank() -> tuple[torch.nn.Module, LevelChanger, VmmArena, VmmKVCache]:

@@ -41,8 +41,27 @@ def test_group_geometry_matches_the_layout() -> None:
     plan = plan_capacity(
         [SPEC.page_size_bytes] * 4, base_blocks=600, layer_bytes=9 << 20, max_level=2
     )
-    assert (plan.group_blocks, plan.base_groups, plan.tier_groups) == (256, 2, 1)
+    assert (plan.group_blocks, plan.base_groups, plan.tier(0), plan.tier(1)) == (256, 2, 1, 1)
     assert plan.capacity_blocks(2) == plan.num_blocks == 1024
+
+
+def test_pages_a_level_frees_beyond_whole_groups_carry_to_the_next_level() -> None:
+    # Qwen3-32B with vLLM's packed layout (one 4 MiB block: 64 layers of 64 KiB) on 30 MiB
+    # pages: a group is 15 blocks on 2 pages, a layer frees 31 pages. Level by level the odd
+    # page waits for the next one's, so two levels hold 31 groups, not 2 x 15.
+    plan = plan_capacity(
+        [4 << 20], base_blocks=6000, layer_bytes=930 << 20, max_level=32, page_size=30 << 20
+    )
+    assert (plan.group_blocks, plan.pages_per_group, plan.layer_pages) == (15, 2, 31)
+    assert [plan.tier(k) for k in range(4)] == [15, 16, 15, 16]
+    assert plan.groups_at(2) - plan.groups_at(0) == 31
+    assert plan.capacity_blocks(32) - plan.capacity_blocks(0) == 32 * 31 // 2 * 15
+    # What a change maps always fits in the pages the freed layers left in the pool, and
+    # what a lowering unmaps plus that remainder always gives the layer its pages back.
+    for k in range(32):
+        left = k * plan.layer_pages - (plan.groups_at(k) - plan.base_groups) * 2
+        assert 0 <= left < 2
+        assert plan.tier(k) * 2 <= left + plan.layer_pages
 
 
 def test_level_0_matches_stock_where_its_allocator_would_round_up() -> None:

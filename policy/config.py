@@ -17,6 +17,9 @@ RULE_DEFAULTS: dict[str, tuple[Estimator, Proxy]] = {
 }
 
 
+KV_LAYOUTS = ("per_layer", "packed")
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
     """Parameters of the offload policy and its estimators.
@@ -178,6 +181,13 @@ class DynamicOffloadConfig:
         level_file: a file holding one integer: while it exists, the scheduler forces that
             level (read every step; benchmarks steer the level from outside the engine).
         host_page_size: page size of the host VMM backend (CPU runs); CUDA uses 2 MiB.
+        kv_layout: ``"per_layer"`` (default): one KV tensor per layer, as vLLM allocates
+            them, on 2 MiB pages (a group is one page per layer). ``"packed"``: vLLM's packed
+            layout (one buffer, every layer's bytes of a block side by side), which lets a
+            page span many blocks, so the weights and the KV tiers move on pages of tens of
+            MiB and a level change needs ~15x fewer driver calls
+            (:func:`dynoff.policy.geometry.choose_page_size`). Needs vLLM's V2 runner on CUDA
+            and an attention backend that indexes the KV by its block stride.
         layer_bytes: bytes of one decoder layer's weights; ``None`` = computed from the
             model config (the worker checks it against the real parameters).
         h2d_GBps: host-to-device bandwidth for the ``model`` estimator. Unset (default):
@@ -194,6 +204,7 @@ class DynamicOffloadConfig:
     level_schedule: tuple[tuple[int, int], ...] = ()
     level_file: str | None = None
     host_page_size: int = 2 << 20
+    kv_layout: str = "per_layer"
     layer_bytes: int | None = None
     h2d_GBps: float | None = None
     piecewise_penalty_ms: float | None = None
@@ -214,6 +225,8 @@ class DynamicOffloadConfig:
             raise ValueError(
                 f"piecewise_penalty_ms={self.piecewise_penalty_ms} must be >= 0 (or unset)"
             )
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={self.kv_layout!r}: use one of {KV_LAYOUTS}")
         if self.host_page_size <= 0 or self.host_page_size % 4096:
             raise ValueError(f"host_page_size={self.host_page_size} must be a multiple of 4096")
 

@@ -7,10 +7,11 @@ capacity) and the scheduler recovers the same plan from the resulting ``KVCacheC
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheTensor
 
 from dynoff.policy.block_pool import CapacityPlan, KVLayout, plan_capacity
 
@@ -92,3 +93,73 @@ def recover_plan(
         )
     plan = dataclasses.replace(probe, base_groups=base_groups)
     return plan, KVLayout(kv_cache_config.num_blocks, strides, page_size)
+
+
+# -- the packed layout: KV and weights on large pages -------------------------------------------
+
+GRANULE = 2 << 20  # CUDA's VMM allocation granularity (and the default page)
+MAX_PAGE = 64 << 20  # a 128 MiB handle costs what a 2 MiB one does per call; groups grow with it
+TARGET_LAYER_PAGES = 32  # ~64 mappings a change, ~3.5 ms in the driver on the H200
+
+
+def choose_page_size(layer_bytes: int, block_bytes: int, granule: int = GRANULE) -> int:
+    """The page (one physical handle) that the weights and the packed KV tiers move on.
+
+    The driver charges per mapping (about 55 µs for unmap and access together on the H200,
+    whatever the handle's size), so a level change costs about two mappings per page a layer
+    spans. The page must divide the layer's granule-rounded pack exactly, else every layer's
+    pack grows and level 0 holds less KV than stock. A group (``lcm(page, block)`` bytes)
+    is the reclaim unit and what level 0 may lose to rounding, so among the pages that bring
+    a layer to at most :data:`TARGET_LAYER_PAGES` the one with the smallest group wins;
+    where none does, the fewest pages a layer.
+    """
+    granules = -(-layer_bytes // granule)
+    candidates = []
+    for m in range(1, MAX_PAGE // granule + 1):
+        page = m * granule
+        group = math.lcm(page, block_bytes)
+        if granules % m == 0 and group <= granules * granule:
+            candidates.append((granules // m, group, page))
+    within = [c for c in candidates if c[0] <= TARGET_LAYER_PAGES]
+    if within:
+        return min(within, key=lambda c: (c[1], c[0]))[2]
+    return min(candidates, key=lambda c: (c[0], c[1]))[2] if candidates else granule
+
+
+def packed_kv_cache_config(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
+    """``kv_cache_config`` in vLLM's packed layout: one buffer in which a block's bytes of
+    every layer sit side by side (``KVCacheTensor.offset`` / ``block_stride``, which vLLM's
+    V2 runner views per layer), the same blocks and bytes. The worker and the scheduler both
+    derive it, so they plan the same groups. Refused, with the reason, where the layout does
+    not apply."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            f'kv_layout "packed" needs one KV cache group; this model has {len(groups)} '
+            '(sliding-window or hybrid attention): use "per_layer"'
+        )
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, AttentionSpec) or not spec.indexes_kv_by_block_stride:
+        raise ValueError(
+            f'kv_layout "packed" needs an attention backend that indexes the KV cache by its '
+            f"block stride (num_blocks outermost); {type(spec).__name__} here does not: use "
+            '"per_layer"'
+        )
+    tensors = kv_cache_config.kv_cache_tensors
+    if any(t.block_stride for t in tensors):
+        return kv_cache_config
+    num_blocks = kv_cache_config.num_blocks
+    sizes = [t.size // num_blocks for t in tensors]
+    stride = sum(sizes)
+    packed, offset = [], 0
+    for tensor, size in zip(tensors, sizes, strict=True):
+        packed.append(
+            KVCacheTensor(
+                size=stride * num_blocks,
+                shared_by=list(tensor.shared_by),
+                offset=offset,
+                block_stride=stride,
+            )
+        )
+        offset += size
+    return dataclasses.replace(kv_cache_config, kv_cache_tensors=packed)

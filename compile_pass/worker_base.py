@@ -42,7 +42,13 @@ from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.timing import StepTimer, Timed
 from dynoff.policy.block_pool import CapacityPlan, plan_capacity
 from dynoff.policy.config import DynamicOffloadConfig
-from dynoff.policy.geometry import check_planned_layer, planned_layer_bytes, recover_plan
+from dynoff.policy.geometry import (
+    check_planned_layer,
+    choose_page_size,
+    packed_kv_cache_config,
+    planned_layer_bytes,
+    recover_plan,
+)
 from dynoff.policy.messages import (
     RUNNER_OUTPUT_ATTR,
     SCHEDULER_OUTPUT_ATTR,
@@ -50,7 +56,6 @@ from dynoff.policy.messages import (
     ResizeOutcome,
     StepReport,
 )
-from dynoff.policy.scheduler import page_size_for
 
 logger = init_logger("vllm.dynoff.worker")
 
@@ -194,9 +199,16 @@ class DynamicOffloadMixin:
     def _place_weights(self, config: DynamicOffloadConfig) -> _State:
         layers = find_decoder_layers(self.model_runner.get_model())  # type: ignore[attr-defined]
         if current_platform.is_cpu():
+            if config.kv_layout == "packed":
+                raise ValueError(
+                    "kv_layout \"packed\" needs vLLM's V2 model runner on CUDA; vLLM's CPU "
+                    'engine runs the V1 runner: use "per_layer"'
+                )
             arena = VmmArena("host", page_size=config.host_page_size)
         else:
-            arena = VmmArena("cuda", device=torch.cuda.current_device())
+            arena = VmmArena(
+                "cuda", device=torch.cuda.current_device(), page_size=self._page_size(config)
+            )
         probe = sum(p.numel() * p.element_size() for p in layers[0].parameters())
         max_level = config.policy.resolve_max_level(
             len(layers), probe, psutil.virtual_memory().available
@@ -241,6 +253,25 @@ class DynamicOffloadMixin:
         )
         return _State(config, arena, placement, engine, rt)
 
+    def _page_size(self, config: DynamicOffloadConfig) -> int:
+        """CUDA: the granule for vLLM's per-layer KV tensors; for the packed layout the page
+        :func:`choose_page_size` picks, which the scheduler derives the same way."""
+        if config.kv_layout != "packed":
+            return 0  # the driver's granularity
+        if not uses_v2_runner(self.vllm_config):  # type: ignore[attr-defined]
+            raise ValueError(
+                'kv_layout "packed" needs vLLM\'s V2 model runner (its KV allocation reads the '
+                'packed layout); the V1 runner is in use here: use "per_layer" or drop '
+                "VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        planned = planned_layer_bytes(self.vllm_config, config.layer_bytes)  # type: ignore[attr-defined]
+        page = choose_page_size(planned, sum(self._per_layer_block_bytes()))
+        logger.info(
+            "dynamic offload: packed KV layout, weights and KV tiers on %d MiB pages",
+            page >> 20,
+        )
+        return page
+
     def _correct_weights_memory(self, placement: WeightPlacement, moved: int) -> None:
         """The packed matrices now live in VMM pages, which vLLM's profiler counts as
         non-torch memory; their torch copies are freed. Take the bytes torch freed (measured,
@@ -269,7 +300,7 @@ class DynamicOffloadMixin:
             base_bytes // per_block,
             self._layer_bytes(),
             state.placement.max_level,
-            page_size_for(state.config),
+            state.arena.page_size,
         )
         state.plan = plan
         logger.info(
@@ -280,9 +311,14 @@ class DynamicOffloadMixin:
         )
         return plan.num_blocks * per_block
 
-    def _kv_strides(self) -> tuple[int, ...]:
+    def _per_layer_block_bytes(self) -> tuple[int, ...]:
         specs = self.model_runner.get_kv_cache_spec()  # type: ignore[attr-defined]
         return tuple(spec.page_size_bytes for spec in specs.values())
+
+    def _kv_strides(self) -> tuple[int, ...]:
+        """Bytes a block takes in each KV buffer: per layer, or once in the packed buffer."""
+        per_layer = self._per_layer_block_bytes()
+        return (sum(per_layer),) if self._dynoff.config.kv_layout == "packed" else per_layer
 
     def _layer_bytes(self) -> int:
         """The layer size the KV tiers are planned with: the scheduler's own figure."""
@@ -290,11 +326,13 @@ class DynamicOffloadMixin:
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         state = self._dynoff
+        if state.config.kv_layout == "packed":
+            kv_cache_config = packed_kv_cache_config(kv_cache_config)
         plan, _ = recover_plan(
             kv_cache_config,
             self._layer_bytes(),
             state.placement.max_level,
-            page_size_for(state.config),
+            state.arena.page_size,
         )
         state.plan = plan
         state.kv = VmmKVCache(state.arena, kv_cache_config, plan.group_blocks, plan.groups_at(0))

@@ -18,10 +18,17 @@ from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from dynoff.policy.config import DynamicOffloadConfig
 from dynoff.policy.controller import OffloadController
-from dynoff.policy.geometry import planned_layer_bytes, recover_plan
+from dynoff.policy.geometry import (
+    choose_page_size,
+    layout_strides,
+    packed_kv_cache_config,
+    planned_layer_bytes,
+    recover_plan,
+)
 from dynoff.policy.messages import RUNNER_OUTPUT_ATTR, SCHEDULER_OUTPUT_ATTR
 
 logger = init_logger("vllm.dynoff.scheduler")
@@ -29,8 +36,17 @@ logger = init_logger("vllm.dynoff.scheduler")
 CUDA_PAGE_SIZE = 2 << 20
 
 
-def page_size_for(config: DynamicOffloadConfig) -> int:
-    return config.host_page_size if current_platform.is_cpu() else CUDA_PAGE_SIZE
+def page_size_for(
+    config: DynamicOffloadConfig, layer_bytes: int, kv_cache_config: KVCacheConfig
+) -> int:
+    """The workers' VMM page, derived as they derive it (``DynamicOffloadMixin._page_size``):
+    the host page on CPU, the granule for per-layer KV tensors, and for the packed layout the
+    page :func:`choose_page_size` picks for the layer and the packed block."""
+    if current_platform.is_cpu():
+        return config.host_page_size
+    if config.kv_layout == "packed":
+        return choose_page_size(layer_bytes, layout_strides(kv_cache_config)[0])
+    return CUDA_PAGE_SIZE
 
 
 class DynamicOffloadScheduler(AsyncScheduler):
@@ -47,8 +63,14 @@ class DynamicOffloadScheduler(AsyncScheduler):
         # The workers checked the pinned host memory before pinning it; checked again here,
         # after they pinned it, it would count their copies against them.
         max_level = config.policy.resolve_max_level(num_layers, layer_bytes, None)
+        kv_cache_config = self.kv_cache_config
+        if config.kv_layout == "packed":
+            kv_cache_config = packed_kv_cache_config(kv_cache_config)
         plan, layout = recover_plan(
-            self.kv_cache_config, layer_bytes, max_level, page_size_for(config)
+            kv_cache_config,
+            layer_bytes,
+            max_level,
+            page_size_for(config, layer_bytes, kv_cache_config),
         )
         self.offload = OffloadController(
             config,

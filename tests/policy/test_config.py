@@ -73,6 +73,10 @@ def test_plugin_config_parses_and_refuses_unknown_keys() -> None:
         DynamicOffloadConfig.from_dict({"h2d_GBps": 0})
     with pytest.raises(ValueError, match="multiple of 4096"):
         DynamicOffloadConfig.from_dict({"host_page_size": 1000})
+    with pytest.raises(ValueError, match=r"kv_layout='interleaved': use one of"):
+        DynamicOffloadConfig.from_dict({"kv_layout": "interleaved"})
+    assert DynamicOffloadConfig.from_dict({"kv_layout": "packed"}).kv_layout == "packed"
+    assert DynamicOffloadConfig().kv_layout == "per_layer"
 
 
 def test_messages_survive_pickling() -> None:

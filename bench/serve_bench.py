@@ -235,7 +235,13 @@ def plugin_summary(trace: Path, start: int = 0, end: int | None = None) -> dict[
         "calibration": next((e for e in server_events if e["event"] == "calibration"), None),
         "audits": [e for e in events if e["event"] == "audit"],
         "level_change_stall_ms": [
-            {"from": e["from_level"], "to": e["to_level"], "stall_ms": e["remap_ms"]}
+            {
+                "from": e["from_level"],
+                "to": e["to_level"],
+                "stall_ms": e.get("stall_ms", e["remap_ms"]),  # traces before stall_ms: all of it
+                "blocked_ms": e["remap_ms"],
+                "driver_ms": e["driver_ms"],
+            }
             for e in changes
         ],
         "decisions": _count(r.get("decision") for r in records if r.get("kind") == "step"),

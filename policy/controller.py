@@ -290,6 +290,7 @@ class OffloadController:
                 to_level=command.target_level,
                 capacity_blocks=self.plan.capacity_blocks(command.target_level),
                 remap_ms=round(slowest.remap_ms, 3),
+                stall_ms=round(max(o.stall_ms for o in outcomes), 3),
                 sync_ms=round(slowest.sync_ms, 3),
                 driver_ms=round(slowest.driver_ms, 3),
                 copy_ms=round(slowest.copy_ms, 3),

@@ -47,6 +47,11 @@ class ResizeOutcome:
         driver_ms: inside VMM driver calls (map, unmap, set access).
         copy_ms: restoring layers from pinned memory (lowering only).
         slots_changed: page slots remapped (weights and KV).
+
+    :attr:`stall_ms` is what the change costs the device: the part of it after the queued
+    work drained, while nothing runs until the next step is launched. The wait before it
+    (``sync_ms``) overlaps the step still running, which the engine waits for anyway to
+    read that step's output.
     """
 
     command_id: int
@@ -58,6 +63,10 @@ class ResizeOutcome:
     driver_ms: float = 0.0
     copy_ms: float = 0.0
     slots_changed: int = 0
+
+    @property
+    def stall_ms(self) -> float:
+        return max(0.0, self.remap_ms - self.sync_ms)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,7 +100,7 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
         compilation_config=dynoff_compilation_config(
             {"cudagraph_capture_sizes": CAPTURE}, route=args.route
         ),
-        additional_config={"dynamic_offload": offload},
+        additional_config={"dynamic_offload": {**offload, "kv_layout": args.kv_layout}},
     )
     return kwargs
 
@@ -238,6 +238,12 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--engines", nargs="+", default=None, help="subset of the phase's")
     parser.add_argument("--route", choices=["partition", "split"], default="split")
+    parser.add_argument(
+        "--kv-layout",
+        choices=["per_layer", "packed"],
+        default="per_layer",
+        help="the plugin engines' kv_layout (packed: large pages, vLLM's packed KV layout)",
+    )
     parser.add_argument("--workdir", default="/tmp/dynoff-e2e-correctness")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--live-memory-utilization", type=float, default=0.2)
@@ -265,6 +271,7 @@ def main() -> None:
         "phase": args.phase,
         "model": args.model,
         "route": args.route,
+        "kv_layout": args.kv_layout,
         "engines": {},
     }
     for mode in args.engines or modes:

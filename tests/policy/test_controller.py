@@ -33,7 +33,9 @@ def controller(tmp_path, schedule=(), num_ranks=1, policy=None, max_level=2):
 
 
 def ack(command: OffloadCommand, ok: bool = True, rank: int = 0, level: int = 0) -> StepReport:
-    outcome = ResizeOutcome(command.command_id, rank, ok, "" if ok else "cuMemMap failed")
+    outcome = ResizeOutcome(
+        command.command_id, rank, ok, "" if ok else "cuMemMap failed", remap_ms=9.0, sync_ms=6.5
+    )
     return StepReport(
         step=command.step,
         level=level,
@@ -112,6 +114,8 @@ def test_trace_records_steps_and_level_changes(tmp_path) -> None:
     steps = [r for r in lines if r["kind"] == "step"]
     changes = [r for r in lines if r.get("event") == "level_change"]
     assert [r["to_level"] for r in changes] == [1, 2]
+    # the device's stall is the change after the queued work drained, not the wait for it
+    assert [(r["remap_ms"], r["sync_ms"], r["stall_ms"]) for r in changes] == [(9.0, 6.5, 2.5)] * 2
     assert {"t", "level", "capacity_blocks", "kv_util", "waiting", "draining", "latency_ms"} <= set(
         steps[0]
     )

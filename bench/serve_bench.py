@@ -233,6 +233,7 @@ def plugin_summary(trace: Path, start: int = 0, end: int | None = None) -> dict[
     return {
         **summary.as_dict(),
         "calibration": next((e for e in server_events if e["event"] == "calibration"), None),
+        "plan": next((e for e in server_events if e["event"] == "plan"), None),
         "audits": [e for e in events if e["event"] == "audit"],
         "level_change_stall_ms": [
             {

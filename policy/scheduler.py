@@ -81,6 +81,16 @@ class DynamicOffloadScheduler(AsyncScheduler):
             num_layers=num_layers,
             layer_bytes=layer_bytes,
         )
+        block_size = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.offload.trace.event(
+            "plan",
+            kv_layout=config.kv_layout,
+            page_size=layout.page_size,
+            group_blocks=plan.group_blocks,
+            group_tokens=plan.group_blocks * block_size,
+            capacity_blocks_level_0=plan.capacity_blocks(0),
+            max_level=max_level,
+        )
         logger.info(
             "dynamic offload: %d layers, max level %d, KV capacity %d blocks at level 0 and "
             "+%.0f per level (groups of %d blocks)",

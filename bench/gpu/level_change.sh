@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# GPU machine, warm after parcels 1, 2 and the serve parcel (../shared/gpu/README.md). One
+# `vllm serve` with the plugin, forced up and down between levels 0 and 1 under a steady
+# ShareGPT load, so every change's stall is measured where it matters: in serving.
+#   bash bench/gpu/level_change.sh MODEL KV_LAYOUT [RATE] [CYCLES]
+#   e.g. bash bench/gpu/level_change.sh qwen3-32b packed 8 24
+# Writes $OUT/level_change_<model>_<layout>_h200.json (serve_bench's result) and the server
+# log; `python -m bench.level_change FILES --out bench/results/level_change_h200.json` reports.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
+model="$1"; layout="$2"; rate="${3:-8}"; cycles="${4:-24}"
+[ -f /tmp/dynoff-env.sh ] || bash bench/gpu/build.sh > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+source /tmp/dynoff-env.sh
+schedule=$(python3 -m bench.level_change schedule --start 300 --every 40 --cycles "$cycles")
+seconds=$(( (300 + 80 * cycles) * 40 / 1000 + 30 ))  # steps at <= 40 ms, and a margin
+trace="/tmp/trace_level_change.jsonl"
+python3 -m bench.traces poisson --rate "$rate" --seconds "$seconds" --out "$trace" || exit 2
+python3 -m bench.serve_bench --system plugin --model "/tmp/site/models/$model" \
+  --gpu-memory-utilization 0.62 \
+  --plugin-config "{\"kv_layout\": \"$layout\", \"level_schedule\": $schedule}" \
+  --trace "$trace" --point "{\"workload\": \"level_change\", \"kv_layout\": \"$layout\", \"rate\": $rate}" \
+  --out "$OUT/level_change_${model}_${layout}_h200.json" --log "$OUT/level_change_${model}_${layout}_server.log"
+rc=$?
+grep -h "dynamic offload" "$OUT/level_change_${model}_${layout}_server.log" | cut -c1-300 | tail -12
+python3 -m bench.level_change "$OUT/level_change_${model}_${layout}_h200.json" --out "$OUT/level_change_report.json"
+exit $rc

@@ -1,0 +1,36 @@
+"""The level-change report and its forced schedule, on hand-made serve_bench records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.level_change import forced_schedule, report
+
+
+def test_the_schedule_goes_up_and_down_at_fixed_steps() -> None:
+    assert forced_schedule(100, 10, 2, level=2) == [[100, 2], [110, 0], [120, 2], [130, 0]]
+
+
+def test_changes_are_split_by_direction_with_median_and_max(tmp_path: Path) -> None:
+    changes = [
+        {"from": 0, "to": 1, "stall_ms": s, "blocked_ms": 40.0, "driver_ms": 3.0}
+        for s in (4.0, 5.0, 9.0)
+    ] + [{"from": 1, "to": 0, "stall_ms": 25.0, "blocked_ms": 60.0, "driver_ms": 3.5}]
+    plan = {"group_blocks": 15, "group_tokens": 240, "page_size": 30 << 20, "kv_layout": "packed"}
+    run = {
+        "model": "/tmp/site/models/qwen3-32b",
+        "command": "x",
+        "plugin": {"level_change_stall_ms": changes, "plan": plan},
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    row = report([str(path)])["models"]["qwen3-32b"]
+    assert row["up"]["changes"] == 3 and row["up"]["stall_ms"] == {"median": 5.0, "max": 9.0}
+    assert row["down"]["stall_ms"] == {"median": 25.0, "max": 25.0}
+    assert row["reclaim_group"] == {
+        "blocks": 15,
+        "tokens": 240,
+        "page_size_mib": 30.0,
+        "kv_layout": "packed",
+    }

@@ -83,7 +83,8 @@ def test_the_plugin_calibrates_decides_and_records_every_change(runs: dict[str, 
     assert all(c["stall_ms"] > 0 for c in plugin["level_change_stall_ms"])
     assert all(c["blocked_ms"] >= c["stall_ms"] for c in plugin["level_change_stall_ms"])
     plan = plugin["plan"]  # the reclaim group the level-change report quotes
-    assert plan["kv_layout"] == "per_layer" and plan["group_tokens"] == 16 * plan["group_blocks"]
+    assert plan["kv_layout"] == "per_layer" and plan["group_blocks"] >= 1
+    assert plan["group_tokens"] > 0 and plan["group_tokens"] % plan["group_blocks"] == 0
 
 
 def test_a_second_point_on_the_same_server_reports_only_its_own_steps(

@@ -13,7 +13,10 @@ maximum over the changes of
 * ``driver_ms``: inside the VMM driver's calls;
 
 and next to them the reclaim group (blocks and tokens a drain frees at once) and the page,
-from the server's ``plan`` event.
+from the server's ``plan`` event. Runs are grouped by model and KV layout (``per_layer``,
+``packed``), so a before and an after of the same model sit side by side; ``within_goal``
+says whether both medians meet the level-change issue's goal (stall <= 20 ms, driver <= 10
+ms per change).
 
 ``schedule`` prints a ``level_schedule`` that forces changes up and down under load:
 
@@ -45,14 +48,22 @@ def _stats(values: list[float]) -> dict[str, float] | None:
     return {"median": round(statistics.median(values), 3), "max": round(max(values), 3)}
 
 
+GOAL_MS = {"stall_ms": 20.0, "driver_ms": 10.0}  # medians per change
+
+
 def report(paths: list[str]) -> dict[str, Any]:
-    models: dict[str, dict[str, Any]] = {}
+    models: dict[tuple[str, str], dict[str, Any]] = {}
     for path in paths:
         run = read_results(path)
         plugin = run.get("plugin") or {}
         changes = plugin.get("level_change_stall_ms") or []
         name = str(run.get("model", "?")).rstrip("/").rsplit("/", 1)[-1]
-        entry = models.setdefault(name, {"runs": [], "changes": {"up": [], "down": []}})
+        layout = (plugin.get("plan") or {}).get("kv_layout") or (run.get("point") or {}).get(
+            "kv_layout", "?"
+        )
+        entry = models.setdefault(
+            (name, layout), {"runs": [], "changes": {"up": [], "down": []}}
+        )
         entry["runs"].append({"file": str(path), "command": run.get("command")})
         if plugin.get("plan"):
             plan = plugin["plan"]
@@ -65,8 +76,8 @@ def report(paths: list[str]) -> dict[str, Any]:
         for change in changes:
             direction = "up" if change["to"] > change["from"] else "down"
             entry["changes"][direction].append(change)
-    out: dict[str, Any] = {"models": {}}
-    for name, entry in models.items():
+    out: dict[str, Any] = {"goal_ms": GOAL_MS, "models": {}}
+    for (name, layout), entry in sorted(models.items()):
         row: dict[str, Any] = {"runs": entry["runs"], "reclaim_group": entry.get("reclaim_group")}
         for direction, changes in entry["changes"].items():
             row[direction] = {
@@ -76,7 +87,12 @@ def report(paths: list[str]) -> dict[str, Any]:
                     for key in ("stall_ms", "blocked_ms", "driver_ms")
                 },
             }
-        out["models"][name] = row
+        row["within_goal"] = all(
+            row[d][key] is not None and row[d][key]["median"] <= limit
+            for d in ("up", "down")
+            for key, limit in GOAL_MS.items()
+        )
+        out["models"].setdefault(name, {})[layout] = row
     return out
 
 
@@ -96,8 +112,16 @@ def main() -> None:
         parser.error("give the serve_bench runs to report on (or: schedule)")
     result = report(args.runs)
     path = write_results(args.out, result)
-    for name, row in result["models"].items():
-        print(name, json.dumps({d: row[d] for d in ("up", "down")}), row["reclaim_group"])
+    for name, layouts in result["models"].items():
+        for layout, row in layouts.items():
+            medians = {
+                d: {k: (row[d][k] or {}).get("median") for k in ("stall_ms", "driver_ms")}
+                for d in ("up", "down")
+            }
+            print(
+                f"{name} {layout}: {json.dumps(medians)} group {row['reclaim_group']} "
+                f"within goal: {row['within_goal']}"
+            )
     print(f"wrote {path}")
 
 

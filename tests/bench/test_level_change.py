@@ -25,12 +25,34 @@ def test_changes_are_split_by_direction_with_median_and_max(tmp_path: Path) -> N
     }
     path = tmp_path / "run.json"
     path.write_text(json.dumps(run))
-    row = report([str(path)])["models"]["qwen3-32b"]
+    row = report([str(path)])["models"]["qwen3-32b"]["packed"]
     assert row["up"]["changes"] == 3 and row["up"]["stall_ms"] == {"median": 5.0, "max": 9.0}
     assert row["down"]["stall_ms"] == {"median": 25.0, "max": 25.0}
+    assert row["within_goal"] is False  # down: 25 ms median stall, over 20
     assert row["reclaim_group"] == {
         "blocks": 15,
         "tokens": 240,
         "page_size_mib": 30.0,
         "kv_layout": "packed",
     }
+
+
+def test_layouts_of_one_model_are_reported_apart(tmp_path: Path) -> None:
+    paths = []
+    for layout, stall in (("per_layer", 90.0), ("packed", 6.0)):
+        run = {
+            "model": "qwen3-8b",
+            "point": {"kv_layout": layout},
+            "plugin": {
+                "level_change_stall_ms": [
+                    {"from": 0, "to": 1, "stall_ms": stall, "driver_ms": 2.0},
+                    {"from": 1, "to": 0, "stall_ms": stall, "driver_ms": 2.0},
+                ]
+            },
+        }
+        paths.append(tmp_path / f"{layout}.json")
+        paths[-1].write_text(json.dumps(run))
+    rows = report([str(p) for p in paths])["models"]["qwen3-8b"]
+    assert rows["per_layer"]["up"]["stall_ms"]["median"] == 90.0
+    assert rows["packed"]["down"]["stall_ms"]["median"] == 6.0
+    assert rows["packed"]["within_goal"] and not rows["per_layer"]["within_goal"]

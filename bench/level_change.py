@@ -61,9 +61,7 @@ def report(paths: list[str]) -> dict[str, Any]:
         layout = (plugin.get("plan") or {}).get("kv_layout") or (run.get("point") or {}).get(
             "kv_layout", "?"
         )
-        entry = models.setdefault(
-            (name, layout), {"runs": [], "changes": {"up": [], "down": []}}
-        )
+        entry = models.setdefault((name, layout), {"runs": [], "changes": {"up": [], "down": []}})
         entry["runs"].append({"file": str(path), "command": run.get("command")})
         if plugin.get("plan"):
             plan = plugin["plan"]

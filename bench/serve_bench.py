@@ -228,25 +228,38 @@ def plugin_summary(trace: Path, start: int = 0, end: int | None = None) -> dict[
     for record in records:
         summary.add(record)
     events = [r for r in records if r.get("kind") == "event"]
-    changes = [e for e in events if e["event"] == "level_change"]
     server_events = [r for r in _records(data[:start]) + records if r.get("kind") == "event"]
     return {
         **summary.as_dict(),
         "calibration": next((e for e in server_events if e["event"] == "calibration"), None),
         "plan": next((e for e in server_events if e["event"] == "plan"), None),
         "audits": [e for e in events if e["event"] == "audit"],
-        "level_change_stall_ms": [
-            {
-                "from": e["from_level"],
-                "to": e["to_level"],
-                "stall_ms": e.get("stall_ms", e["remap_ms"]),  # traces before stall_ms: all of it
-                "blocked_ms": e["remap_ms"],
-                "driver_ms": e["driver_ms"],
-            }
-            for e in changes
-        ],
+        "level_change_stall_ms": change_stalls(events),
         "decisions": _count(r.get("decision") for r in records if r.get("kind") == "step"),
     }
+
+
+def change_stalls(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each level change's cost to the engine, in trace order. A change down's asynchronous
+    restore copy is waited for by the device in a later step (the ``restore_wait`` events
+    after it): that wait is added to the change's ``stall_ms`` and also given apart."""
+    rows: list[dict[str, Any]] = []
+    for e in events:
+        if e["event"] == "level_change":
+            rows.append(
+                {
+                    "from": e["from_level"],
+                    "to": e["to_level"],
+                    "stall_ms": e.get("stall_ms", e["remap_ms"]),  # traces before it: all
+                    "blocked_ms": e["remap_ms"],
+                    "driver_ms": e["driver_ms"],
+                }
+            )
+        elif e["event"] == "restore_wait" and rows and rows[-1]["to"] < rows[-1]["from"]:
+            row = rows[-1]
+            row["restore_wait_ms"] = round(row.get("restore_wait_ms", 0.0) + e["wait_ms"], 3)
+            row["stall_ms"] = round(row["stall_ms"] + e["wait_ms"], 3)
+    return rows
 
 
 def _records(chunk: bytes) -> list[dict[str, Any]]:

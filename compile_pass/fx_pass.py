@@ -45,14 +45,17 @@ Invariants kept (Inductor's fx_passes rules): ``meta["val"]`` of existing nodes 
 and new nodes return nothing; no new aliasing between inputs and outputs; the only
 mutations are the ones the ops' schemas declare, on intermediate values, never on graph
 inputs. The pass is idempotent: a graph that already holds the ops is left as it is.
-``uuid()`` hashes this module's source and the pass's settings, so Inductor's cache is
-invalidated whenever either changes.
+``uuid()`` hashes the source of everything that shapes the output (this module, the pairing,
+the ops, the split hook) and the pass's settings, so the compile caches are invalidated
+whenever any of them changes.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Collection
 from typing import Any
@@ -76,8 +79,11 @@ class LayerPrefetchPass(InductorPass):
         self.invocations = 0
 
     def uuid(self) -> str:
-        return InductorPass.hash_source(self) + InductorPass.hash_dict(
-            {"layer_pattern": self.layer_pattern, "version": 3}
+        """Everything that shapes the pass's output: this module (the pass and its helpers),
+        the pairing, the ops and the hook that runs the pass before vLLM's split, plus the
+        settings; Inductor's and vLLM's compile caches key on it."""
+        return InductorPass.hash_source(*pass_sources()) + InductorPass.hash_dict(
+            {"layer_pattern": self.layer_pattern, "version": 4}
         )
 
     def __call__(self, graph: fx.Graph, split_points: Collection[str] = ()) -> None:
@@ -294,6 +300,16 @@ def _is_tensor(node: fx.Node) -> bool:
 def _normalize(path: str) -> str:
     """``L['self'].layers[3].mlp`` / ``model.layers.3.mlp`` -> ``...layers.3.mlp``."""
     return re.sub(r"\[['\"]?(\w+)['\"]?\]", r".\1", path)
+
+
+def pass_sources() -> list[str]:
+    """The source text :meth:`LayerPrefetchPass.uuid` hashes."""
+    from dynoff.compile_pass import hacks, ops, pairing
+
+    modules = [sys.modules[__name__], pairing, ops]
+    return [inspect.getsource(m) for m in modules] + [
+        inspect.getsource(hacks.run_pass_before_fx_split)
+    ]
 
 
 class SplitRouteMarker(InductorPass):

@@ -8,7 +8,8 @@ outcome in rank 0's report and keeps the old level too.
 
 raise k -> k+1: alias layer k+N/2 onto layer k's pages, map the freed pages into the tier's
 KV groups. lower k+1 -> k: (device idle) unmap the groups, give layer k+N/2 its pages back
-and restore it from pinned memory (the shared region already holds layer k). Each step is
+and restore it from pinned memory (the shared region already holds layer k) on the copy
+stream; the next step waits for that copy only where layer k+N/2 runs. Each step is
 a VMM transaction; a failure in the second step undoes the first.
 """
 
@@ -122,9 +123,18 @@ class LevelChanger:
             raise
 
     def _lower(self, groups: tuple[int, ...]) -> None:
+        # Lowering restores only layer i + N/2: the shared region must hold layer i.
+        i = self.level - 1
+        held = self.engine.holds(i)
+        if held != i:
+            raise RuntimeError(
+                f"lowering to level {i}: the region layer {i} shares holds layer {held}'s "
+                f"weights, not its own (a step at level {self.level} must end with "
+                f"prefetch({i})); nothing was changed"
+            )
         self.kv.unmap_groups(groups)
         try:
-            self.placement.lower_level()
+            self.placement.lower_level(restore=self.engine.restore)
         except Exception:
             self.kv.map_groups(groups)
             raise

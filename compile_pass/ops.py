@@ -5,6 +5,7 @@ nothing and allocate nothing. The declared mutation is what keeps them in place:
 reader of that tensor is ordered after the op. They never touch the tensor's data.
 
     wait_layer(x, L):      the compute stream waits until layer L's weights are resident
+                           (also for a resident layer whose restore copy is in flight)
     prefetch_layer(y, P):  issue the copy of layer P into its shared region, ordered after
                            the work already queued (the last use of the region's occupant)
 
@@ -23,7 +24,10 @@ from dynoff.compile_pass import runtime
 @torch.library.custom_op("dynoff::wait_layer", mutates_args=("x",))
 def wait_layer(x: torch.Tensor, layer: int) -> None:
     rt = runtime.current()
-    if rt is None or layer not in rt.active:
+    if rt is None:
+        return
+    rt.seen["wait"].add(layer)
+    if layer not in rt.active and layer not in rt.engine.restoring:
         return
     rt.calls["wait"] += 1
     rt.engine.wait(layer)
@@ -37,7 +41,10 @@ def _(x: torch.Tensor, layer: int) -> None:
 @torch.library.custom_op("dynoff::prefetch_layer", mutates_args=("x",))
 def prefetch_layer(x: torch.Tensor, layer: int) -> None:
     rt = runtime.current()
-    if rt is None or layer not in rt.active:
+    if rt is None:
+        return
+    rt.seen["prefetch"].add(layer)
+    if layer not in rt.active:
         return
     rt.calls["prefetch"] += 1
     rt.engine.prefetch(layer)

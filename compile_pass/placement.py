@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -154,8 +154,10 @@ class WeightPlacement:
         self.level += 1
         return displaced
 
-    def lower_level(self) -> list[int]:
-        """k -> k-1. Takes pages from the pool; returns them (now private to layer j)."""
+    def lower_level(self, restore: Callable[[int], None] | None = None) -> list[int]:
+        """k -> k-1. Takes pages from the pool; returns them (now private to layer j).
+        ``restore(j)`` copies layer j back (the prefetch engine's asynchronous copy); by
+        default it is copied here, synchronously."""
         if self.level == 0:
             raise ValueError("already at level 0")
         j = self.level - 1 + half(self.num_layers)  # its partner i = level - 1 keeps the region
@@ -174,9 +176,12 @@ class WeightPlacement:
         # level change waited for the queued work).
         start = time.perf_counter()
         assert dst.cpu is not None
-        dst.flat.copy_(dst.cpu)
-        if dst.flat.is_cuda:
-            torch.cuda.synchronize(dst.flat.device)
+        if restore is not None:
+            restore(j)
+        else:
+            dst.flat.copy_(dst.cpu)
+            if dst.flat.is_cuda:
+                torch.cuda.synchronize(dst.flat.device)
         self.last_copy_ms = (time.perf_counter() - start) * 1e3
         dst.pages = pages
         self.level -= 1

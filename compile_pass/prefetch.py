@@ -5,6 +5,12 @@ stream, after the compute stream's queued work (the region's previous occupant) 
 ``wait(L)`` makes the compute stream wait for that copy. On the CPU platform the same code
 copies synchronously, so CPU tests exercise the same logic. Each copy and wait is an NVTX
 range (domain ``dynoff``) and a ``torch.profiler`` range.
+
+The engine also keeps the ledger of what each layer's range shows: its own weights, or its
+partner's while the two share a region (``share`` / ``unshare``, from the runtime's level
+changes). A ``wait(L)`` with no copy of L pending while L's range shows another layer's
+weights raises :class:`WrongWeightsError`: the layer would run on wrong weights, and nothing
+else would notice.
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ from collections.abc import Mapping
 import torch
 
 from dynoff.policy.trace import trace_range
+
+
+class WrongWeightsError(RuntimeError):
+    """A layer was about to run on weights that are not its own."""
 
 
 class PrefetchEngine:
@@ -40,7 +50,11 @@ class PrefetchEngine:
         device = next(iter(destinations.values())).device if destinations else torch.device("cpu")
         self.on_cuda = device.type == "cuda"
         self.pending: set[int] = set()
+        self.restoring: set[int] = set()  # restore copies (lowering) not yet waited on
+        self._restore_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.copies = 0
+        self._shows = {layer: layer for layer in destinations}  # whose weights a range holds
+        self._partner: dict[int, int] = {}  # layers whose ranges share one region
         if self.on_cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self._region_free = {layer: torch.cuda.Event() for layer in sources}
@@ -49,9 +63,30 @@ class PrefetchEngine:
         self.timing = timing and self.on_cuda
         self.timings: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
+    def share(self, resident: int, aliased: int) -> None:
+        """``aliased``'s range now maps ``resident``'s pages: both show what it showed."""
+        self._shows[aliased] = self._shows[resident]
+        self._partner[resident], self._partner[aliased] = aliased, resident
+        self.pending.discard(aliased)
+
+    def unshare(self, resident: int, restored: int) -> None:
+        """The two ranges have their own pages again, and ``restored`` was copied back."""
+        self._partner.pop(resident, None)
+        self._partner.pop(restored, None)
+        self._shows[restored] = restored
+
+    def holds(self, layer: int) -> int:
+        """The layer whose weights ``layer``'s range holds (once queued copies land)."""
+        return self._shows[layer]
+
     def prefetch(self, layer: int) -> None:
         src, dst = self.sources[layer], self.destinations[layer]
         self.copies += 1
+        self._shows[layer] = layer
+        partner = self._partner.get(layer)
+        if partner is not None:  # the copy overwrites the region the partner showed
+            self._shows[partner] = layer
+            self.pending.discard(partner)
         if not self.on_cuda:
             with trace_range(f"dynoff.prefetch.L{layer}"):
                 dst.copy_(src)
@@ -70,12 +105,51 @@ class PrefetchEngine:
         self._copied[layer].record(self.copy_stream)
         self.pending.add(layer)
 
+    def restore(self, layer: int) -> None:
+        """Copy ``layer`` back into its own pages after a lowering, on the copy stream: the
+        change returns at once, and the step after it waits for the copy only where the
+        layer runs (``wait``, which the ops call for a restoring layer at any level; the
+        runtime keeps that step off FULL graphs, which would skip the op)."""
+        self._shows[layer] = layer
+        if not self.on_cuda:
+            self.destinations[layer].copy_(self.sources[layer])
+            return
+        self._region_free[layer].record(torch.cuda.current_stream())
+        self.copy_stream.wait_event(self._region_free[layer])
+        with torch.cuda.stream(self.copy_stream), trace_range(f"dynoff.restore.L{layer}"):
+            self.destinations[layer].copy_(self.sources[layer], non_blocking=True)
+        self._copied[layer].record(self.copy_stream)
+        self.pending.add(layer)
+        self.restoring.add(layer)
+
+    def restore_wait_ms(self) -> float:
+        """Device time the compute stream spent waiting for restore copies, over the waits
+        that have finished since the last call (non-blocking)."""
+        done = [(s, e) for s, e in self._restore_waits if e.query()]
+        self._restore_waits = [w for w in self._restore_waits if w not in done]
+        return sum(s.elapsed_time(e) for s, e in done)
+
     def wait(self, layer: int) -> None:
         if layer not in self.pending:
+            if self._shows[layer] != layer:
+                raise WrongWeightsError(
+                    f"layer {layer} would run on layer {self._shows[layer]}'s weights: its "
+                    f"shared region holds them and no copy of layer {layer} is pending (the "
+                    "pass's prefetch for it is missing or ran out of order)"
+                )
             return
+        stream = torch.cuda.current_stream()
+        restoring = layer in self.restoring
         with trace_range(f"dynoff.wait.L{layer}"):
-            torch.cuda.current_stream().wait_event(self._copied[layer])
+            if restoring:  # time the device's wait: it is part of the level change's stall
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+                start.record(stream)
+            stream.wait_event(self._copied[layer])
+            if restoring:
+                end.record(stream)
+                self._restore_waits.append((start, end))
         self.pending.discard(layer)
+        self.restoring.discard(layer)
 
     def achieved_bandwidth(self) -> float:
         """Bytes per second over the recorded copies (``timing=True``; synchronizes)."""
@@ -101,3 +175,4 @@ class PrefetchEngine:
         if self.on_cuda:
             self.copy_stream.synchronize()
         self.pending.clear()
+        self.restoring.clear()

@@ -10,8 +10,12 @@ from typing import Protocol
 
 
 class Engine(Protocol):
+    restoring: set[int]
+
     def wait(self, layer: int) -> None: ...
     def prefetch(self, layer: int) -> None: ...
+    def share(self, resident: int, aliased: int) -> None: ...
+    def unshare(self, resident: int, restored: int) -> None: ...
 
 
 class OffloadRuntime:
@@ -27,14 +31,41 @@ class OffloadRuntime:
         self.force_piecewise = False  # benchmarks: piecewise graphs at k = 0 too
         self.active: frozenset[int] = frozenset()
         self.calls = {"wait": 0, "prefetch": 0}
+        # Every layer whose op ran at least once, offloaded or not: proof that the compiled
+        # model holds the ops (a cached graph skips the pass, so its log is no proof).
+        self.seen: dict[str, set[int]] = {"wait": set(), "prefetch": set()}
 
     def set_level(self, level: int) -> None:
+        """Depth ``level`` from the next op on; the engine's ledger follows the pairs the
+        weights' remap (``WeightPlacement``) has just shared or separated."""
+        from dynoff.compile_pass.pairing import half
+
+        h = half(self.num_layers)
+        for i in range(self.level, level):  # raised: i + h aliases i's pages
+            self.engine.share(i, i + h)
+        for i in range(level, self.level):  # lowered: i + h restored from the host
+            self.engine.unshare(i, i + h)
         self.level = level
         self.active = frozenset(
             layer
             for layer in range(self.num_layers)
             if self._is_offloaded(layer, level, self.num_layers)
         )
+
+    def needs_piecewise(self) -> bool:
+        """Whether the next step must skip FULL graphs: their ops are baked-in no-ops, and
+        at k > 0, or while a restore copy is in flight, the ops must run."""
+        return self.level > 0 or self.force_piecewise or bool(self.engine.restoring)
+
+    def missing_ops(self, level: int) -> dict[str, list[int]]:
+        """The layers offloaded at ``level`` whose wait or prefetch op has never run."""
+        needed = {
+            layer
+            for layer in range(self.num_layers)
+            if self._is_offloaded(layer, level, self.num_layers)
+        }
+        missing = {op: sorted(needed - seen) for op, seen in self.seen.items()}
+        return {op: layers for op, layers in missing.items() if layers}
 
 
 _runtime: OffloadRuntime | None = None

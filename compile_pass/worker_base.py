@@ -48,6 +48,8 @@ from dynoff.policy.geometry import (
     packed_kv_cache_config,
     planned_layer_bytes,
     recover_plan,
+    resolve_kv_layout,
+    uses_v2_runner,
 )
 from dynoff.policy.messages import (
     RUNNER_OUTPUT_ATTR,
@@ -70,12 +72,6 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
     if best is None:
         raise ValueError(f"{type(model).__name__} has no decoder layers named `layers`")
     return best
-
-
-def uses_v2_runner(vllm_config: Any) -> bool:
-    """vLLM's V2 model runner (``vllm/v1/worker/gpu/``): 0.26's default for Qwen3 and Llama
-    on CUDA; the CPU engine always runs the V1 runner."""
-    return bool(getattr(vllm_config, "use_v2_model_runner", False))
 
 
 STEERABLE_MODES = ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE")
@@ -168,6 +164,10 @@ class _State:
     )
 
 
+class OpsMissingError(RuntimeError):
+    """The compiled model lacks the wait/prefetch ops for layers the plugin would offload."""
+
+
 class DynamicOffloadMixin:
     """Shared by the CUDA and CPU workers (placed before vLLM's worker class in the MRO)."""
 
@@ -194,16 +194,23 @@ class DynamicOffloadMixin:
                 super().load_model(*args, **kwargs)  # type: ignore[misc]
         else:
             super().load_model(*args, **kwargs)  # type: ignore[misc]
-        self._dynoff = self._place_weights(config)
+        self._dynoff = self._place_weights(self._resolve_kv_layout(config))
+
+    def _resolve_kv_layout(self, config: DynamicOffloadConfig) -> DynamicOffloadConfig:
+        """``config`` with ``kv_layout`` resolved to ``"packed"`` or ``"per_layer"``, as the
+        scheduler resolves it from the KV cache config (:func:`resolve_kv_layout`)."""
+        on_cpu = current_platform.is_cpu()
+        v2 = uses_v2_runner(self.vllm_config)  # type: ignore[attr-defined]
+        specs = []
+        if v2 and not on_cpu:
+            specs = list(self.model_runner.get_kv_cache_spec().values())  # type: ignore[attr-defined]
+        layout, why = resolve_kv_layout(config.kv_layout, specs, on_cpu, v2)
+        logger.info("dynamic offload: KV layout %r (%s)", layout, why)
+        return dataclasses.replace(config, kv_layout=layout)
 
     def _place_weights(self, config: DynamicOffloadConfig) -> _State:
         layers = find_decoder_layers(self.model_runner.get_model())  # type: ignore[attr-defined]
         if current_platform.is_cpu():
-            if config.kv_layout == "packed":
-                raise ValueError(
-                    "kv_layout \"packed\" needs vLLM's V2 model runner on CUDA; vLLM's CPU "
-                    'engine runs the V1 runner: use "per_layer"'
-                )
             arena = VmmArena("host", page_size=config.host_page_size)
         else:
             arena = VmmArena(
@@ -258,12 +265,6 @@ class DynamicOffloadMixin:
         :func:`choose_page_size` picks, which the scheduler derives the same way."""
         if config.kv_layout != "packed":
             return 0  # the driver's granularity
-        if not uses_v2_runner(self.vllm_config):  # type: ignore[attr-defined]
-            raise ValueError(
-                'kv_layout "packed" needs vLLM\'s V2 model runner (its KV allocation reads the '
-                'packed layout); the V1 runner is in use here: use "per_layer" or drop '
-                "VLLM_USE_V2_MODEL_RUNNER=0"
-            )
         planned = planned_layer_bytes(self.vllm_config, config.layer_bytes)  # type: ignore[attr-defined]
         page = choose_page_size(planned, sum(self._per_layer_block_bytes()))
         logger.info(
@@ -349,7 +350,7 @@ class DynamicOffloadMixin:
         runtime_ = state.runtime
 
         def piecewise() -> bool:
-            return runtime_.level > 0 or runtime_.force_piecewise
+            return runtime_.needs_piecewise()
 
         runner = self.model_runner  # type: ignore[attr-defined]
         if uses_v2_runner(self.vllm_config):  # type: ignore[attr-defined]
@@ -373,7 +374,28 @@ class DynamicOffloadMixin:
         state.outcomes.clear()
         state.timer = StepTimer(cuda=not current_platform.is_cpu())
         state.calibration = self._calibrate()
+        self._check_ops_ran()
         return result
+
+    def _check_ops_ran(self) -> None:
+        """Refuse k > 0 unless the compiled model really runs the ops: warm-up, capture and
+        the calibration ran every op eagerly at least once, so a layer whose wait or prefetch
+        never ran has none, and offloading it would run it on its partner's weights."""
+        state = self._dynoff
+        max_level = state.placement.max_level
+        missing = state.runtime.missing_ops(max_level) if max_level > 0 else {}
+        if missing:
+            raise OpsMissingError(
+                "dynamic offload: the compiled model runs no "
+                + " and no ".join(
+                    f"{op}_layer op for layers {layers}" for op, layers in missing.items()
+                )
+                + f", which max level {max_level} offloads: they would run on wrong weights. "
+                "The layer pass did not transform this graph (a compile cache written "
+                "without it, or layers it could not find; see its log line). Remove vLLM's "
+                "compile cache (VLLM_CACHE_ROOT, torch_compile_cache) and restart, or set "
+                '"policy": {"max_level": 0} to serve without offloading'
+            )
 
     def _calibrate(self) -> Calibration | None:
         """Measure the link, the piecewise penalty and a level change (see
@@ -443,6 +465,7 @@ class DynamicOffloadMixin:
             timed.prefill_tokens,
             tuple(outcomes),
             state.calibration,
+            state.engine.restore_wait_ms() if state.engine.on_cuda else 0.0,
         )
         state.calibration = None
         if isinstance(output, AsyncModelRunnerOutput):

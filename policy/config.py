@@ -17,7 +17,7 @@ RULE_DEFAULTS: dict[str, tuple[Estimator, Proxy]] = {
 }
 
 
-KV_LAYOUTS = ("per_layer", "packed")
+KV_LAYOUTS = ("auto", "packed", "per_layer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,13 +181,15 @@ class DynamicOffloadConfig:
         level_file: a file holding one integer: while it exists, the scheduler forces that
             level (read every step; benchmarks steer the level from outside the engine).
         host_page_size: page size of the host VMM backend (CPU runs); CUDA uses 2 MiB.
-        kv_layout: ``"per_layer"`` (default): one KV tensor per layer, as vLLM allocates
-            them, on 2 MiB pages (a group is one page per layer). ``"packed"``: vLLM's packed
+        kv_layout: ``"auto"`` (default): ``"packed"`` wherever it applies, else
+            ``"per_layer"`` (logged at start-up with the reason). ``"packed"``: vLLM's packed
             layout (one buffer, every layer's bytes of a block side by side), which lets a
             page span many blocks, so the weights and the KV tiers move on pages of tens of
             MiB and a level change needs ~15x fewer driver calls
-            (:func:`dynoff.policy.geometry.choose_page_size`). Needs vLLM's V2 runner on CUDA
-            and an attention backend that indexes the KV by its block stride.
+            (:func:`dynoff.policy.geometry.choose_page_size`); it needs vLLM's V2 runner on
+            CUDA, one KV cache group and an attention backend that indexes the KV by its
+            block stride, and is refused elsewhere. ``"per_layer"``: one KV tensor per
+            layer, as vLLM allocates them, on 2 MiB pages (a group is one page per layer).
         layer_bytes: bytes of one decoder layer's weights; ``None`` = computed from the
             model config (the worker checks it against the real parameters).
         h2d_GBps: host-to-device bandwidth for the ``model`` estimator. Unset (default):
@@ -204,7 +206,7 @@ class DynamicOffloadConfig:
     level_schedule: tuple[tuple[int, int], ...] = ()
     level_file: str | None = None
     host_page_size: int = 2 << 20
-    kv_layout: str = "per_layer"
+    kv_layout: str = "auto"
     layer_bytes: int | None = None
     h2d_GBps: float | None = None
     piecewise_penalty_ms: float | None = None

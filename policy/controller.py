@@ -213,6 +213,10 @@ class OffloadController:
                 decode_tokens=report.num_decode_tokens,
                 prefill_tokens=report.num_prefill_tokens,
             )
+        if report.restore_wait_ms > 0:
+            self.trace.event(
+                "restore_wait", step=report.step, wait_ms=round(report.restore_wait_ms, 3)
+            )
         for outcome in report.outcomes:
             if self.inflight is None or outcome.command_id != self.inflight.command_id:
                 continue

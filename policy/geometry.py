@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -126,6 +127,56 @@ def choose_page_size(layer_bytes: int, block_bytes: int, granule: int = GRANULE)
     return min(candidates, key=lambda c: (c[0], c[1]))[2] if candidates else granule
 
 
+def uses_v2_runner(vllm_config: Any) -> bool:
+    """vLLM's V2 model runner (``vllm/v1/worker/gpu/``): 0.26's default for Qwen3 and Llama
+    on CUDA; the CPU engine always runs the V1 runner."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
+def packed_refusal(specs: Sequence[Any], on_cpu: bool, v2_runner: bool) -> str | None:
+    """Why vLLM's packed KV layout does not apply here, or None where it does. ``specs`` are
+    the KV cache specs (the worker's per layer, the scheduler's per group): one kind of
+    attention spec whose backend indexes the KV cache by its block stride."""
+    if on_cpu:
+        return "needs CUDA and vLLM's V2 model runner; vLLM's CPU engine runs the V1 runner"
+    if not v2_runner:
+        return (
+            "needs vLLM's V2 model runner (its KV allocation reads the packed layout); the V1 "
+            "runner is in use here (VLLM_USE_V2_MODEL_RUNNER=0 or a model V2 does not run)"
+        )
+    kinds = set(specs)
+    if len(kinds) != 1:
+        return (
+            f"needs one KV cache group; this model has {len(kinds)} kinds of KV cache "
+            "(sliding-window or hybrid attention)"
+        )
+    (spec,) = kinds
+    if not isinstance(spec, AttentionSpec) or not spec.indexes_kv_by_block_stride:
+        return (
+            "needs an attention backend that indexes the KV cache by its block stride "
+            f"(num_blocks outermost); {type(spec).__name__} here does not"
+        )
+    return None
+
+
+def resolve_kv_layout(
+    requested: str, specs: Sequence[Any], on_cpu: bool, v2_runner: bool
+) -> tuple[str, str]:
+    """(``"packed"`` or ``"per_layer"``, why) for the configured ``kv_layout``. ``"auto"``
+    takes the packed layout wherever it applies: ~15x fewer driver calls per level change
+    (``bench/results/vmm_page_size_h200.json``), token-identical on the H200
+    (``bench/results/e2e_packed/``). An explicit ``"packed"`` that does not apply is refused
+    with the reason; the worker and the scheduler resolve it the same way."""
+    if requested == "per_layer":
+        return "per_layer", "configured"
+    refusal = packed_refusal(specs, on_cpu, v2_runner)
+    if refusal is None:
+        return "packed", "configured" if requested == "packed" else "auto: it applies here"
+    if requested == "packed":
+        raise ValueError(f'kv_layout "packed" {refusal}: use "auto" or "per_layer"')
+    return "per_layer", f"auto: the packed layout {refusal}"
+
+
 def packed_kv_cache_config(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
     """``kv_cache_config`` in vLLM's packed layout: one buffer in which a block's bytes of
     every layer sit side by side (``KVCacheTensor.offset`` / ``block_stride``, which vLLM's
@@ -138,13 +189,9 @@ def packed_kv_cache_config(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
             f'kv_layout "packed" needs one KV cache group; this model has {len(groups)} '
             '(sliding-window or hybrid attention): use "per_layer"'
         )
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec) or not spec.indexes_kv_by_block_stride:
-        raise ValueError(
-            f'kv_layout "packed" needs an attention backend that indexes the KV cache by its '
-            f"block stride (num_blocks outermost); {type(spec).__name__} here does not: use "
-            '"per_layer"'
-        )
+    refusal = packed_refusal([groups[0].kv_cache_spec], on_cpu=False, v2_runner=True)
+    if refusal is not None:
+        raise ValueError(f'kv_layout "packed" {refusal}: use "per_layer"')
     tensors = kv_cache_config.kv_cache_tensors
     if any(t.block_stride for t in tensors):
         return kv_cache_config

@@ -105,6 +105,9 @@ class StepReport:
             filter keeps steps without prefill tokens).
         outcomes: resize results, one per rank per command applied.
         calibration: the start-up measurements, on the first report only.
+        restore_wait_ms: device time the compute stream waited for a lowering's
+            asynchronous restore copy, over waits finished since the last report: the part
+            of a change down that the change's own ``stall_ms`` does not see.
     """
 
     step: int
@@ -114,6 +117,7 @@ class StepReport:
     num_prefill_tokens: int = 0
     outcomes: tuple[ResizeOutcome, ...] = ()
     calibration: Calibration | None = None
+    restore_wait_ms: float = 0.0
 
     @property
     def timed(self) -> bool:

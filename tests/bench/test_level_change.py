@@ -56,3 +56,28 @@ def test_layouts_of_one_model_are_reported_apart(tmp_path: Path) -> None:
     assert rows["per_layer"]["up"]["stall_ms"]["median"] == 90.0
     assert rows["packed"]["down"]["stall_ms"]["median"] == 6.0
     assert rows["packed"]["within_goal"] and not rows["per_layer"]["within_goal"]
+
+
+def test_a_restore_wait_after_a_change_down_counts_in_its_stall() -> None:
+    from bench.serve_bench import change_stalls
+
+    def change(a: int, b: int, stall: float) -> dict:
+        return {
+            "event": "level_change",
+            "from_level": a,
+            "to_level": b,
+            "remap_ms": 30.0,
+            "stall_ms": stall,
+            "driver_ms": 4.0,
+        }
+
+    events = [
+        change(0, 1, 5.0),
+        {"event": "restore_wait", "wait_ms": 9.0},  # after a change up: not its
+        change(1, 0, 7.0),
+        {"event": "restore_wait", "wait_ms": 2.5},
+        {"event": "restore_wait", "wait_ms": 0.5},
+    ]
+    up, down = change_stalls(events)
+    assert up["stall_ms"] == 5.0 and "restore_wait_ms" not in up
+    assert down["stall_ms"] == 10.0 and down["restore_wait_ms"] == 3.0

@@ -111,3 +111,30 @@ def test_stock_default_split_points_match_vllm() -> None:
         )
         stock.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
         assert stock.splitting_ops == stock_splitting_ops(route)
+
+
+@pytest.mark.parametrize("changed", ["pairing", "ops", "fx_pass", "hacks"])
+def test_the_pass_uuid_changes_with_any_source_that_shapes_its_output(
+    changed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The pairing decides which layer's prefetch sits where, the ops are what it inserts,
+    # the module's helpers place them and the split hook decides which graph they go in;
+    # a uuid of the class body alone would let a cache keep a graph built by older code.
+    import inspect
+
+    from dynoff.compile_pass import fx_pass, hacks, ops, pairing
+
+    target = {
+        "pairing": pairing,
+        "ops": ops,
+        "fx_pass": fx_pass,
+        "hacks": hacks.run_pass_before_fx_split,
+    }[changed]
+    before = LayerPrefetchPass().uuid()
+    original = inspect.getsource
+
+    def edited(obj: object) -> str:
+        return original(obj) + ("\n# edited" if obj is target else "")
+
+    monkeypatch.setattr(inspect, "getsource", edited)
+    assert LayerPrefetchPass().uuid() != before

@@ -4,7 +4,7 @@ compiled with torch.compile on the CPU, with weights in host-backend VMM ranges.
 Proves: one wait and one prefetch per layer, in the right places; output equal to eager at
 every depth 0..4 and across changes; depth changes cost no recompilation; and the offloaded
 layers really run on weights carried through aliased pages and copied in by the engine
-(a run whose copies are suppressed gives different outputs)."""
+(a run whose copies are suppressed is stopped before a layer runs on its partner's weights)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dynoff.compile_pass.fx_pass import LayerPrefetchPass
 from dynoff.compile_pass.ops import PREFETCH, WAIT
 from dynoff.compile_pass.pairing import partner
 from dynoff.compile_pass.placement import UnequalLayersError, WeightPlacement
-from dynoff.compile_pass.prefetch import PrefetchEngine
+from dynoff.compile_pass.prefetch import PrefetchEngine, WrongWeightsError
 from tests.compile_pass.toy_model import ToyDecoder, ToyLayer
 
 N = 8
@@ -140,12 +140,14 @@ def test_aliasing_carries_the_real_data(offloaded: Offloaded) -> None:
     assert offloaded.runtime.calls["prefetch"] >= 4
 
 
-def test_without_the_copies_outputs_differ() -> None:
+def test_without_the_copies_the_layer_refuses_to_run_on_its_partners_weights() -> None:
+    # Layer 4 shares layer 0's region at level 1; with its copy suppressed it would run on
+    # layer 0's weights and give a wrong output, silently. The engine's ledger stops it.
     rig = Offloaded(copies=False)
     try:
         rig.set_level(1)
-        out = rig.compiled(rig.x)
-        assert not torch.allclose(out, rig.reference, atol=1e-3)  # layer 4 ran on layer 0's
+        with pytest.raises(WrongWeightsError, match="layer 4 would run on layer 0's weights"):
+            rig.compiled(rig.x)
     finally:
         rig.close()
 
@@ -165,3 +167,19 @@ def test_unequal_layers_and_bad_levels_are_refused() -> None:
         WeightPlacement(arena, layers, max_level=1)
     with pytest.raises(ValueError, match=r"max_level=3 outside \[0, 2\]"):
         WeightPlacement(arena, [ToyLayer(64, 128) for _ in range(4)], max_level=3)
+
+
+def test_the_runtime_sees_every_layers_ops_only_where_the_pass_inserted_them() -> None:
+    # The worker refuses k > 0 at start-up unless every offloadable layer's ops ran once
+    # (OpsMissingError): a model compiled without the pass is caught, one with it passes.
+    rig = Offloaded()
+    try:
+        rig.compiled(rig.x)  # level 0: the ops run and return at once
+        assert rig.runtime.missing_ops(N // 2) == {}
+        plain = runtime.OffloadRuntime(N, rig.engine)
+        runtime.install(plain)
+        torch.compile(rig.model)(rig.x)  # no pass: no ops
+        assert plain.missing_ops(1) == {"wait": [0, 4], "prefetch": [0, 4]}
+        assert plain.missing_ops(0) == {}
+    finally:
+        rig.close()

@@ -76,7 +76,7 @@ def test_plugin_config_parses_and_refuses_unknown_keys() -> None:
     with pytest.raises(ValueError, match=r"kv_layout='interleaved': use one of"):
         DynamicOffloadConfig.from_dict({"kv_layout": "interleaved"})
     assert DynamicOffloadConfig.from_dict({"kv_layout": "packed"}).kv_layout == "packed"
-    assert DynamicOffloadConfig().kv_layout == "per_layer"
+    assert DynamicOffloadConfig().kv_layout == "auto"  # packed where it applies
 
 
 def test_messages_survive_pickling() -> None:

@@ -22,6 +22,7 @@ from dynoff.policy.geometry import (
     layout_strides,
     packed_kv_cache_config,
     recover_plan,
+    resolve_kv_layout,
 )
 
 MiB = 1 << 20
@@ -103,3 +104,42 @@ def test_the_packed_cache_backs_groups_on_large_pages_and_the_plans_agree() -> N
     assert int(buffer[start]) == 7
     kv.unmap_groups(range(plan.groups_at(0), plan.groups_at(1)))
     assert int(buffer[start]) == 0  # back on the zero page
+
+
+def _both_sides(requested: str, kv_config: KVCacheConfig, on_cpu: bool, v2: bool):
+    """The worker resolves from its per-layer specs, the scheduler from the KV groups."""
+    per_layer = [g.kv_cache_spec for g in kv_config.kv_cache_groups for _ in g.layer_names]
+    worker = resolve_kv_layout(requested, per_layer, on_cpu, v2)[0]
+    groups = [g.kv_cache_spec for g in kv_config.kv_cache_groups]
+    scheduler = resolve_kv_layout(requested, groups, on_cpu, v2)[0]
+    assert worker == scheduler
+    return worker
+
+
+def test_auto_takes_the_packed_layout_only_where_it_applies_on_both_sides() -> None:
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sliding_window=128
+    )
+    hybrid = config(64, STRIDED)
+    hybrid.kv_cache_groups.append(KVCacheGroupSpec(["w"], window))
+    assert _both_sides("auto", config(64, STRIDED), on_cpu=False, v2=True) == "packed"
+    assert _both_sides("auto", config(64, STRIDED), on_cpu=True, v2=False) == "per_layer"
+    assert _both_sides("auto", config(64, STRIDED), on_cpu=False, v2=False) == "per_layer"
+    assert _both_sides("auto", config(64, SPEC), on_cpu=False, v2=True) == "per_layer"
+    assert _both_sides("auto", hybrid, on_cpu=False, v2=True) == "per_layer"
+    assert _both_sides("per_layer", config(64, STRIDED), on_cpu=False, v2=True) == "per_layer"
+    _, why = resolve_kv_layout("auto", [SPEC], on_cpu=False, v2_runner=True)
+    assert "block stride" in why  # the log line says why it fell back
+
+
+def test_an_explicit_packed_layout_that_cannot_apply_is_refused_with_the_fix() -> None:
+    assert resolve_kv_layout("packed", [STRIDED], False, True) == ("packed", "configured")
+    with pytest.raises(ValueError, match=r"V2 model runner.*use \"auto\" or \"per_layer\""):
+        resolve_kv_layout("packed", [STRIDED], on_cpu=False, v2_runner=False)
+    with pytest.raises(ValueError, match="CPU engine"):
+        resolve_kv_layout("packed", [STRIDED], on_cpu=True, v2_runner=False)
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sliding_window=128
+    )
+    with pytest.raises(ValueError, match="2 kinds of KV cache"):
+        resolve_kv_layout("packed", [STRIDED, window], on_cpu=False, v2_runner=True)

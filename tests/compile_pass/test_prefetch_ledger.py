@@ -1,0 +1,79 @@
+"""The prefetch engine's ledger of what each shared region holds, on real host-backend VMM
+ranges: a layer never runs on its partner's weights without an error, and a lowering that
+would restore the wrong layer is refused before it changes anything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynoff.allocator import VmmArena
+from dynoff.allocator.kv_cache import VmmKVCache
+from dynoff.compile_pass.levels import LevelChanger
+from dynoff.compile_pass.placement import WeightPlacement
+from dynoff.compile_pass.prefetch import PrefetchEngine, WrongWeightsError
+from dynoff.compile_pass.runtime import OffloadRuntime
+from dynoff.policy.messages import OffloadCommand
+from tests.allocator.kv_config import kv_config
+from tests.compile_pass.toy_model import ToyDecoder
+
+N = 8
+PAGE = 64 << 10
+
+
+@pytest.fixture
+def rig():
+    torch.manual_seed(0)
+    model = ToyDecoder(N).requires_grad_(False)
+    arena = VmmArena("host", page_size=PAGE)
+    placement = WeightPlacement(arena, model.layers, max_level=2)
+    packs = placement.offloadable()
+    engine = PrefetchEngine(
+        {i: p.cpu for i, p in packs.items() if p.cpu is not None},
+        {i: p.flat for i, p in packs.items()},
+    )
+    runtime = OffloadRuntime(N, engine)
+    kv = VmmKVCache(arena, kv_config(64, 1, PAGE), group_blocks=1, active_groups=8)
+    levels = LevelChanger(0, placement, kv, engine, runtime)
+    return levels, placement, engine
+
+
+def test_the_ledger_follows_raises_prefetches_and_lowerings(rig) -> None:
+    levels, placement, engine = rig
+    assert all(engine.holds(layer) == layer for layer in engine.destinations)
+    assert levels.apply(OffloadCommand(0, 1, 1, map_groups=(8, 9))).ok
+    assert engine.holds(4) == 0  # layer 4's range aliases layer 0's pages
+    engine.wait(0)  # the region holds layer 0: a step may start
+    with pytest.raises(WrongWeightsError, match="layer 4 would run on layer 0's weights"):
+        engine.wait(4)
+    engine.prefetch(4)
+    engine.wait(4)
+    assert torch.equal(placement.packs[4].flat, placement.packs[4].cpu)
+    with pytest.raises(WrongWeightsError, match="layer 0 would run on layer 4's weights"):
+        engine.wait(0)  # the copy of 4 overwrote the region
+    engine.prefetch(0)  # what a step at this level ends with
+    assert levels.apply(OffloadCommand(1, 2, 0, unmap_groups=(8, 9))).ok
+    assert [engine.holds(layer) for layer in (0, 4)] == [0, 4]
+    for layer in (0, 4):
+        assert torch.equal(placement.packs[layer].flat, placement.packs[layer].cpu)
+
+
+def test_a_copy_superseded_by_its_partners_is_no_longer_waited_on(rig) -> None:
+    levels, _, engine = rig
+    assert levels.apply(OffloadCommand(0, 1, 1, map_groups=(8, 9))).ok
+    engine.pending.add(0)  # as on CUDA: a copy of layer 0 in flight
+    engine.prefetch(4)  # lands after it in the same region
+    assert 0 not in engine.pending
+    with pytest.raises(WrongWeightsError):
+        engine.wait(0)
+
+
+def test_lowering_with_the_partner_in_the_region_is_refused_unchanged(rig) -> None:
+    levels, placement, engine = rig
+    assert levels.apply(OffloadCommand(0, 1, 1, map_groups=(8, 9))).ok
+    engine.prefetch(4)  # a step cut short: it never issued prefetch(0)
+    before = (placement.packs[4].range.mapping(), sorted(levels.kv.backed))
+    outcome = levels.apply(OffloadCommand(1, 2, 0, unmap_groups=(8, 9)))
+    assert not outcome.ok and "holds layer 4's weights" in outcome.error
+    assert levels.level == 1 and levels.runtime.level == 1
+    assert (placement.packs[4].range.mapping(), sorted(levels.kv.backed)) == before

@@ -219,6 +219,10 @@ class ElasticBlockPool:
         return self._drain is not None
 
     @property
+    def drain_started_step(self) -> int | None:
+        return self._drain.started_step if self._drain else None
+
+    @property
     def drain_targets(self) -> tuple[int, ...]:
         return self._drain.targets if self._drain else ()
 
@@ -281,6 +285,9 @@ class ElasticBlockPool:
         for g in targets:
             self.states[g] = GroupState.DRAINING
         blocks = frozenset(b for g in targets for b in self.layout.blocks_of(g))
+        # Drop the targets' prefix hashes now, in-use blocks included: a hot prefix block
+        # would otherwise be touched by every new request that shares it and never free.
+        self.pool.evict_blocks(set(blocks))
         self._drain = _Drain(tuple(sorted(targets)), started_step=step, blocks=blocks, hold=hold)
         self.poll(step)
         return self._drain.targets if self._drain else tuple(sorted(targets))
@@ -303,6 +310,15 @@ class ElasticBlockPool:
             for g in drain.targets:
                 self.states[g] = GroupState.RECLAIMED
             drain.ready_step = step + self.drain_lag_steps
+
+    def overdue(self, step: int, limit_steps: int) -> bool:
+        """A drain still waiting for blocks ``limit_steps`` steps after it began."""
+        drain = self._drain
+        return (
+            drain is not None
+            and drain.ready_step is None
+            and step - drain.started_step >= limit_steps
+        )
 
     def should_abort(self) -> bool:
         """A drain (not held) in progress and the main free list ran dry: give the blocks

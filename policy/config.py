@@ -51,6 +51,9 @@ class PolicyConfig:
         min_samples: measured steps at a level before its average replaces the model.
         drain_lag_steps: steps a fully drained group waits before it may be unmapped
             (async scheduling: a block freed at step N may be written by step N+1).
+        drain_timeout_steps: steps a drain may wait for its blocks (held ones included)
+            before it aborts with a log line and the policy decides again (2000: about a
+            minute at 30 ms steps; long requests on the targets' blocks keep a drain open).
         descend_under_pressure: also step down while requests wait, when the level below
             serves more KV per ms (C_{k-1} / L_{k-1} > (1 + ``descend_margin``) · C_k / L_k,
             with level k measured ``min_samples`` times). The seed's Algorithm 1 only climbs
@@ -83,6 +86,7 @@ class PolicyConfig:
     min_samples: int = 3
     mix_steps: int = 64
     drain_lag_steps: int = 2
+    drain_timeout_steps: int = 2000
     descend_under_pressure: bool = False
     descend_margin: float = 0.05
     climb_margin: float | None = None
@@ -123,6 +127,10 @@ class PolicyConfig:
             )
         if self.drain_lag_steps < 0:
             raise ValueError(f"drain_lag_steps={self.drain_lag_steps} must be >= 0")
+        if self.drain_timeout_steps < 1:
+            raise ValueError(
+                f"drain_timeout_steps={self.drain_timeout_steps} must be >= 1, e.g. 2000"
+            )
         for name in ("descend_margin", "min_climb_margin", "audit_tolerance"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0, e.g. 0.05")

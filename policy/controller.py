@@ -118,6 +118,8 @@ class OffloadController:
         self.elastic.poll(step)
         if self.elastic.should_abort():
             self._abort_drain(step)
+        elif self.elastic.overdue(step, self.config.policy.drain_timeout_steps):
+            self._abort_drain(step, "timed out")
         policy = self.config.policy
         self._pressured = waiting > 0 or self.elastic.pool.get_usage() > policy.high_threshold
         command = None
@@ -326,12 +328,22 @@ class OffloadController:
                 "; ".join(self._errors),
             )
 
-    def _abort_drain(self, step: int) -> None:
+    def _abort_drain(self, step: int, why: str = "ran dry") -> None:
+        started = self.elastic.drain_started_step
+        started = step if started is None else started
         targets = self.elastic.abort_drain()
         self.policy.revert(self.level)
-        self.trace.event("drain_aborted", step=step, groups=list(targets), level=self.level)
+        self.trace.event(
+            "drain_aborted", step=step, groups=list(targets), level=self.level, why=why
+        )
         logger.info(
-            "dynamic offload: KV free list ran dry, drain of %d groups aborted", len(targets)
+            "dynamic offload: drain of %d groups to level %d aborted after %d steps (%s); "
+            "serving on at level %d",
+            len(targets),
+            self.level - 1,
+            step - started,
+            "the KV free list ran dry" if why == "ran dry" else why,
+            self.level,
         )
 
     def _record(self, step: int, waiting: int, running: int) -> None:

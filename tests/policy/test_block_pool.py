@@ -274,3 +274,25 @@ TestElasticPool.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_a_shrink_drops_its_targets_prefix_hashes_even_for_blocks_in_use() -> None:
+    # A hot prefix block in a draining group: each new request sharing the prefix would
+    # touch it again, and it would never free. Its hash goes when the shrink starts.
+    manager = make_manager(8 * GROUPS)
+    elastic = ElasticBlockPool(manager.block_pool, layout(8 * GROUPS), active_groups=3)
+    filler = make_request(list(range(5000, 5000 + 15 * BLOCK_SIZE)))  # blocks 1..15
+    assert manager.allocate_slots(filler, 15 * BLOCK_SIZE) is not None
+    prompt = list(range(4 * BLOCK_SIZE))
+    hot = make_request([*prompt, 7])  # blocks 16..20: group 2
+    assert manager.allocate_slots(hot, len(prompt) + 1) is not None
+    assert set(manager.get_block_ids(hot.request_id)[0]) <= set(range(16, 24))
+    _, hits_before, _ = manager.get_computed_blocks(make_request([*prompt, 8]))
+    assert hits_before == 4 * BLOCK_SIZE
+    assert elastic.begin_shrink(1, step=0) == (2,)
+    _, hits_after, _ = manager.get_computed_blocks(make_request([*prompt, 9]))
+    assert hits_after == 0  # no new request can pin group 2's blocks
+    manager.free(hot)
+    elastic.poll(step=1)
+    assert elastic.groups_in(GroupState.RECLAIMED) == [2]
+    assert elastic.invariant_violations() == []

@@ -245,3 +245,25 @@ def test_a_level_measured_as_a_loss_drains_back_under_pressure(tmp_path) -> None
     assert [e["decision"] for e in events if e.get("step") == 7 and "decision" in e] == [
         "down-pressure"
     ]
+
+
+def test_a_drain_that_never_finishes_times_out_and_the_controller_decides_again(
+    tmp_path,
+) -> None:
+    # A long request pins blocks of the tier; the forced level says 0, so the drain starts
+    # and, held open past drain_timeout_steps, aborts with a trace event and a log line.
+    policy = PolicyConfig(rule="seed", cooldown_steps=0, drain_timeout_steps=5)
+    ctl, manager = controller(tmp_path, schedule=[(1, 1), (3, 0)], policy=policy)
+    ctl.on_report(ack(ctl.on_schedule_start(1, 0, 0), level=1))
+    request = make_request(list(range(10 * BLOCK_SIZE)))
+    assert manager.allocate_slots(request, 10 * BLOCK_SIZE) is not None
+    assert ctl.on_schedule_start(3, 0, 1) is None and ctl.elastic.draining
+    for step in range(4, 8):
+        assert ctl.on_schedule_start(step, 0, 1) is None and ctl.elastic.draining
+    ctl.on_schedule_start(8, 0, 1)  # 5 steps after it began: aborted, then a new decision
+    events = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    aborted = [e for e in events if e.get("event") == "drain_aborted"]
+    assert len(aborted) == 1 and aborted[0]["why"] == "timed out" and aborted[0]["step"] == 8
+    assert ctl.level == 1 and ctl.elastic.invariant_violations() == []
+    assert ctl.elastic.draining  # the forced 0 still stands: the controller drains anew
+    assert ctl.elastic.drain_started_step == 8

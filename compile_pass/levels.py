@@ -44,6 +44,11 @@ def gather_outcomes(
     return [o for rank in gathered for o in rank]
 
 
+class RanksDivergedError(RuntimeError):
+    """A rank could not undo a change the other ranks refused: the ranks disagree on the
+    level, so no step may run."""
+
+
 class LevelChanger:
     """One rank's weights, KV cache, engine and runtime, moved together between levels."""
 
@@ -140,13 +145,25 @@ class LevelChanger:
             raise
 
     def revert(self, command: OffloadCommand, old_level: int) -> None:
-        """Undo a command this rank applied because another rank failed it."""
+        """Undo a command this rank applied because another rank failed it. If the undo
+        fails too, this rank stays a level apart from the others, and a tensor-parallel
+        step would mix two placements: :class:`RanksDivergedError`, and the engine stops."""
         self.device_sync()
         self.engine.synchronize()
-        if self.level == old_level + 1:
-            self._lower(command.map_groups)
-        elif self.level == old_level - 1:
-            self._raise(command.unmap_groups)
+        try:
+            if self.level == old_level + 1:
+                self._lower(command.map_groups)
+            elif self.level == old_level - 1:
+                self._raise(command.unmap_groups)
+        except Exception as exc:
+            self.runtime.set_level(self.level)  # the ops follow what the pages really hold
+            raise RanksDivergedError(
+                f"dynamic offload: rank {self.rank} could not roll command "
+                f"{command.command_id} back to level {old_level} ({type(exc).__name__}: "
+                f"{exc}); it is at level {self.level} while the other ranks are at "
+                f"{old_level}, and a step would mix the two. Restart the server; if it "
+                'recurs, set "policy": {"max_level": 0} and report it'
+            ) from exc
         self.runtime.set_level(self.level)
 
     def apply_everywhere(self, command: OffloadCommand, gather: Gather) -> list[ResizeOutcome]:

@@ -77,3 +77,16 @@ def test_lowering_with_the_partner_in_the_region_is_refused_unchanged(rig) -> No
     assert not outcome.ok and "holds layer 4's weights" in outcome.error
     assert levels.level == 1 and levels.runtime.level == 1
     assert (placement.packs[4].range.mapping(), sorted(levels.kv.backed)) == before
+
+
+def test_a_rollback_that_fails_stops_the_rank_loudly_and_keeps_its_ops_truthful(rig) -> None:
+    from dynoff.compile_pass.levels import RanksDivergedError
+
+    levels, placement, _ = rig
+    command = OffloadCommand(0, 1, 1, map_groups=(8, 9))
+    assert levels.apply(command).ok  # another rank failed it: this one must undo it
+    placement.arena._inject_failure(0)  # and the undo's first driver call fails
+    with pytest.raises(RanksDivergedError, match="rank 0 could not roll command 0 back"):
+        levels.revert(command, old_level=0)
+    placement.arena._inject_failure(-1)
+    assert levels.runtime.level == levels.level  # no op runs a placement that is not there

@@ -56,9 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     placement = WeightPlacement(VmmArena("cuda"), model.layers, max_level=n // 2)
     torch.cuda.empty_cache()
     packs = placement.offloadable()
-    engine = PrefetchEngine(
-        {i: p.cpu for i, p in packs.items()}, {i: p.flat for i, p in packs.items()}, timing=True
-    )
+    engine = PrefetchEngine.for_placement(placement, timing=True)
     rt = runtime.OffloadRuntime(n, engine)
     runtime.install(rt)
     runner = PiecewiseRunner(model, x)

@@ -16,6 +16,7 @@ else would notice.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -63,6 +64,17 @@ class PrefetchEngine:
         self.timing = timing and self.on_cuda
         self.timings: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
+    @classmethod
+    def for_placement(cls, placement: Any, timing: bool = False) -> PrefetchEngine:
+        """The engine for a :class:`~dynoff.compile_pass.placement.WeightPlacement`'s
+        offloadable layers: each pinned host copy into its layer's range."""
+        packs = placement.offloadable()
+        return cls(
+            {i: p.cpu for i, p in packs.items() if p.cpu is not None},
+            {i: p.flat for i, p in packs.items()},
+            timing=timing,
+        )
+
     def share(self, resident: int, aliased: int) -> None:
         """``aliased``'s range now maps ``resident``'s pages: both show what it showed."""
         self._shows[aliased] = self._shows[resident]
@@ -80,26 +92,31 @@ class PrefetchEngine:
         return self._shows[layer]
 
     def prefetch(self, layer: int) -> None:
-        src, dst = self.sources[layer], self.destinations[layer]
         self.copies += 1
         self._shows[layer] = layer
         partner = self._partner.get(layer)
         if partner is not None:  # the copy overwrites the region the partner showed
             self._shows[partner] = layer
             self.pending.discard(partner)
+        self._copy_in(layer, "prefetch", timed=self.timing)
+
+    def _copy_in(self, layer: int, what: str, timed: bool = False) -> None:
+        """Copy ``layer``'s host bytes into its range: on the CPU at once; on CUDA on the
+        copy stream after the compute stream's queued work (the region's previous
+        occupant), with its event recorded for ``wait`` and the layer pending."""
+        src, dst = self.sources[layer], self.destinations[layer]
         if not self.on_cuda:
-            with trace_range(f"dynoff.prefetch.L{layer}"):
+            with trace_range(f"dynoff.{what}.L{layer}"):
                 dst.copy_(src)
             return
-        # The region's previous occupant must be done with it before the copy lands.
         self._region_free[layer].record(torch.cuda.current_stream())
         self.copy_stream.wait_event(self._region_free[layer])
-        with torch.cuda.stream(self.copy_stream), trace_range(f"dynoff.prefetch.L{layer}"):
-            if self.timing:
+        with torch.cuda.stream(self.copy_stream), trace_range(f"dynoff.{what}.L{layer}"):
+            if timed:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
                 start.record(self.copy_stream)
             dst.copy_(src, non_blocking=True)
-            if self.timing:
+            if timed:
                 end.record(self.copy_stream)
                 self.timings.append((src.numel(), start, end))
         self._copied[layer].record(self.copy_stream)
@@ -111,16 +128,9 @@ class PrefetchEngine:
         layer runs (``wait``, which the ops call for a restoring layer at any level; the
         runtime keeps that step off FULL graphs, which would skip the op)."""
         self._shows[layer] = layer
-        if not self.on_cuda:
-            self.destinations[layer].copy_(self.sources[layer])
-            return
-        self._region_free[layer].record(torch.cuda.current_stream())
-        self.copy_stream.wait_event(self._region_free[layer])
-        with torch.cuda.stream(self.copy_stream), trace_range(f"dynoff.restore.L{layer}"):
-            self.destinations[layer].copy_(self.sources[layer], non_blocking=True)
-        self._copied[layer].record(self.copy_stream)
-        self.pending.add(layer)
-        self.restoring.add(layer)
+        self._copy_in(layer, "restore")
+        if self.on_cuda:
+            self.restoring.add(layer)
 
     def restore_wait_ms(self) -> float:
         """Device time the compute stream spent waiting for restore copies, over the waits

@@ -241,11 +241,7 @@ class DynamicOffloadMixin:
                 placement.layer_bytes,
             )
         packs = placement.offloadable()
-        engine = PrefetchEngine(
-            {i: p.cpu for i, p in packs.items() if p.cpu is not None},
-            {i: p.flat for i, p in packs.items()},
-            timing=config.measure_transfers,
-        )
+        engine = PrefetchEngine.for_placement(placement, timing=config.measure_transfers)
         rt = runtime.OffloadRuntime(len(layers), engine)
         runtime.install(rt)
         logger.info(

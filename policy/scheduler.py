@@ -67,13 +67,13 @@ class DynamicOffloadScheduler(AsyncScheduler):
         # after they pinned it, it would count their copies against them.
         max_level = config.policy.resolve_max_level(num_layers, layer_bytes, None)
         kv_cache_config = self.kv_cache_config
-        layout, _ = resolve_kv_layout(
+        kv_layout, _ = resolve_kv_layout(
             config.kv_layout,
             [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups],
             current_platform.is_cpu(),
             uses_v2_runner(vllm_config),
         )
-        config = dataclasses.replace(config, kv_layout=layout)  # as the workers resolved it
+        config = dataclasses.replace(config, kv_layout=kv_layout)  # as the workers resolved it
         if config.kv_layout == "packed":
             kv_cache_config = packed_kv_cache_config(kv_cache_config)
         plan, layout = recover_plan(

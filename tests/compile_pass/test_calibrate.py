@@ -28,11 +28,7 @@ def rank() -> tuple[torch.nn.Module, LevelChanger, VmmArena, VmmKVCache]:
     model = ToyDecoder(8).requires_grad_(False)
     arena = VmmArena("host", page_size=PAGE)
     placement = WeightPlacement(arena, model.layers, max_level=2)
-    packs = placement.offloadable()
-    engine = PrefetchEngine(
-        {i: p.cpu for i, p in packs.items() if p.cpu is not None},
-        {i: p.flat for i, p in packs.items()},
-    )
+    engine = PrefetchEngine.for_placement(placement)
     kv = VmmKVCache(arena, kv_config(64, 1, PAGE), group_blocks=1, active_groups=8)
     levels = LevelChanger(0, placement, kv, engine, OffloadRuntime(8, engine))
     return model, levels, arena, kv

@@ -30,10 +30,7 @@ def rig():
     placement = WeightPlacement(arena, model.layers, max_level=N // 2)
     assert placement.layer_bytes >= 256 << 20
     torch.cuda.empty_cache()  # the original parameters are gone: VMM holds the weights
-    packs = placement.offloadable()
-    engine = PrefetchEngine(
-        {i: p.cpu for i, p in packs.items()}, {i: p.flat for i, p in packs.items()}
-    )
+    engine = PrefetchEngine.for_placement(placement)
     rt = runtime.OffloadRuntime(N, engine)
     runtime.install(rt)
     runner = PiecewiseRunner(model, x)

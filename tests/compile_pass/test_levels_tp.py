@@ -34,11 +34,7 @@ def rank_main(rank: int, init_file: str, out_dir: str) -> None:
     reference = model(x)
     arena = VmmArena("host", page_size=PAGE)
     placement = WeightPlacement(arena, model.layers, max_level=2)
-    packs = placement.offloadable()
-    engine = PrefetchEngine(
-        {i: p.cpu for i, p in packs.items() if p.cpu is not None},
-        {i: p.flat for i, p in packs.items()},
-    )
+    engine = PrefetchEngine.for_placement(placement)
     runtime = OffloadRuntime(8, engine)
     # One KV buffer, one page per group: a level frees 3 pages and its tier takes 2.
     kv = VmmKVCache(arena, kv_config(64, 1, PAGE), group_blocks=1, active_groups=8)

@@ -27,11 +27,7 @@ def rig():
     model = ToyDecoder(N).requires_grad_(False)
     arena = VmmArena("host", page_size=PAGE)
     placement = WeightPlacement(arena, model.layers, max_level=2)
-    packs = placement.offloadable()
-    engine = PrefetchEngine(
-        {i: p.cpu for i, p in packs.items() if p.cpu is not None},
-        {i: p.flat for i, p in packs.items()},
-    )
+    engine = PrefetchEngine.for_placement(placement)
     runtime = OffloadRuntime(N, engine)
     kv = VmmKVCache(arena, kv_config(64, 1, PAGE), group_blocks=1, active_groups=8)
     levels = LevelChanger(0, placement, kv, engine, runtime)

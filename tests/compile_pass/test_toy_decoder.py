@@ -44,10 +44,7 @@ class Offloaded:
         self.reference = self.model(self.x)
         self.arena = VmmArena("host", page_size=PAGE)
         self.placement = WeightPlacement(self.arena, self.model.layers, max_level=N // 2)
-        packs = self.placement.offloadable()
-        self.engine = PrefetchEngine(
-            {i: p.cpu for i, p in packs.items()}, {i: p.flat for i, p in packs.items()}
-        )
+        self.engine = PrefetchEngine.for_placement(self.placement)
         if not copies:
             self.engine.prefetch = lambda layer: None  # type: ignore[method-assign]
         self.runtime = runtime.OffloadRuntime(N, self.engine)

@@ -40,12 +40,13 @@ from dynoff.compile_pass.levels import LevelChanger, gather_outcomes
 from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.timing import StepTimer, Timed
-from dynoff.policy.block_pool import CapacityPlan, plan_capacity
+from dynoff.policy.block_pool import CapacityPlan, KVLayout, plan_capacity
 from dynoff.policy.config import DynamicOffloadConfig
 from dynoff.policy.geometry import (
     check_planned_layer,
     choose_page_size,
     packed_kv_cache_config,
+    plan_report,
     planned_layer_bytes,
     recover_plan,
     resolve_kv_layout,
@@ -55,6 +56,7 @@ from dynoff.policy.messages import (
     RUNNER_OUTPUT_ATTR,
     SCHEDULER_OUTPUT_ATTR,
     Calibration,
+    PlanReport,
     ResizeOutcome,
     StepReport,
 )
@@ -154,11 +156,13 @@ class _State:
     engine: PrefetchEngine
     runtime: runtime.OffloadRuntime
     plan: CapacityPlan | None = None
+    layout: KVLayout | None = None
     kv: VmmKVCache | None = None
     levels: LevelChanger | None = None
     outcomes: list[ResizeOutcome] = dataclasses.field(default_factory=list)
     step: int = -1
     calibration: Calibration | None = None  # sent once, on the next report
+    plans: tuple[PlanReport, ...] = ()  # every rank's, sent once, on the next report
     timer: StepTimer = dataclasses.field(
         default_factory=lambda: StepTimer(cuda=not current_platform.is_cpu())
     )
@@ -325,7 +329,7 @@ class DynamicOffloadMixin:
         state = self._dynoff
         if state.config.kv_layout == "packed":
             kv_cache_config = packed_kv_cache_config(kv_cache_config)
-        plan, _ = recover_plan(
+        plan, state.layout = recover_plan(
             kv_cache_config,
             self._layer_bytes(),
             state.placement.max_level,
@@ -371,7 +375,30 @@ class DynamicOffloadMixin:
         state.timer = StepTimer(cuda=not current_platform.is_cpu())
         state.calibration = self._calibrate()
         self._check_ops_ran()
+        state.plans = self._gather_plans()
         return result
+
+    def _gather_plans(self) -> tuple[PlanReport, ...]:
+        """Every rank's plan, for the scheduler to check against its own on the first
+        report (rank 0's reaches it)."""
+        state = self._dynoff
+        assert state.plan is not None and state.layout is not None
+        mine = plan_report(
+            self.rank,  # type: ignore[attr-defined]
+            state.plan,
+            state.layout,
+            state.config.kv_layout,
+            state.placement.pages_per_layer,
+        )
+        world = self.vllm_config.parallel_config.world_size  # type: ignore[attr-defined]
+        if world == 1:
+            return (mine,)
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_world_group
+
+        gathered: list[PlanReport | None] = [None] * world
+        dist.all_gather_object(gathered, mine, group=get_world_group().cpu_group)
+        return tuple(p for p in gathered if p is not None)
 
     def _check_ops_ran(self) -> None:
         """Refuse k > 0 unless the compiled model really runs the ops: warm-up, capture and
@@ -462,8 +489,10 @@ class DynamicOffloadMixin:
             tuple(outcomes),
             state.calibration,
             state.engine.restore_wait_ms() if state.engine.on_cuda else 0.0,
+            state.plans,
         )
         state.calibration = None
+        state.plans = ()
         if isinstance(output, AsyncModelRunnerOutput):
             inner = output.get_output
             output.get_output = lambda: with_report(inner(), report)  # type: ignore[method-assign]

@@ -37,8 +37,15 @@ from dynoff.policy.algorithm import Decision, OffloadPolicy, Pressure
 from dynoff.policy.audit import ChangeAudit, Verdict
 from dynoff.policy.block_pool import CapacityPlan, ElasticBlockPool, KVLayout
 from dynoff.policy.config import DynamicOffloadConfig
+from dynoff.policy.geometry import check_worker_plans
 from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepCost, StepShape
-from dynoff.policy.messages import Calibration, OffloadCommand, ResizeOutcome, StepReport
+from dynoff.policy.messages import (
+    Calibration,
+    OffloadCommand,
+    PlanReport,
+    ResizeOutcome,
+    StepReport,
+)
 from dynoff.policy.pricing import model_error
 from dynoff.policy.trace import TraceWriter, trace_range
 
@@ -61,8 +68,10 @@ class OffloadController:
         num_layers: int | None = None,
         layer_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        expected_plan: PlanReport | None = None,
     ) -> None:
         self.config = config
+        self.expected_plan = expected_plan  # checked against the workers' first report
         self.clock = clock  # seconds; the audit's step times
         self.plan = plan
         self.num_ranks = num_ranks
@@ -201,7 +210,27 @@ class OffloadController:
             self.policy.unmeasured_margin * 100,
         )
 
+    def _check_plans(self, plans: tuple[PlanReport, ...]) -> None:
+        """Every rank maps the plan the pool hands blocks out by, or serving stops here
+        (:class:`~dynoff.policy.geometry.PlanMismatchError`)."""
+        if self.expected_plan is None:
+            return
+        check_worker_plans(self.expected_plan, plans)
+        self.trace.event(
+            "plan_checked",
+            ranks=len(plans),
+            real_layer_pages=min(p.real_layer_pages for p in plans),
+        )
+        logger.info(
+            "dynamic offload: %d rank(s) map the scheduler's KV plan (%d blocks, groups of %d)",
+            len(plans),
+            self.expected_plan.num_blocks,
+            self.expected_plan.group_blocks,
+        )
+
     def on_report(self, report: StepReport) -> None:
+        if report.plans:
+            self._check_plans(report.plans)
         if report.calibration is not None:
             self._use_calibration(report.calibration)
         if report.timed:

@@ -15,20 +15,50 @@ import torch
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheTensor
 
 from dynoff.policy.block_pool import CapacityPlan, KVLayout, plan_capacity
+from dynoff.policy.messages import PlanReport
 
 
-def decoder_layer_bytes(hf_config: Any, dtype_bytes: int) -> int:
-    """Bytes of one dense decoder layer's pack (Llama / Qwen / Mistral families): its
-    matrices, the attention projections and the gated MLP. Its vectors (norms, biases) stay
-    resident outside the pack (``compile_pass.placement.packed_parameters``)."""
+class UnsupportedModelError(ValueError):
+    """A model whose layers the capacity plan does not model."""
+
+
+# hf config keys that count a mixture-of-experts layer's experts (Mixtral, Qwen-MoE, DeepSeek)
+MOE_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def refuse_unmodelled(hf_config: Any) -> None:
+    """Refuse architectures whose decoder layers :func:`decoder_layer_bytes` does not model:
+    with experts, the plan would promise the KV cache pages no level frees, or waste most
+    of what it does, and the expert kernels have not run over VMM pages."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    for key in MOE_EXPERT_KEYS:
+        experts = getattr(text, key, None)
+        if isinstance(experts, int) and experts > 1:
+            raise UnsupportedModelError(
+                f"dynamic offload plans its KV tiers for dense decoder layers; "
+                f"{getattr(text, 'model_type', type(text).__name__)} is a mixture-of-experts "
+                f"model ({key}={experts}), which it does not support yet: serve this model "
+                "without the plugin (drop --worker-cls, --scheduler-cls and the "
+                "dynamic_offload config)"
+            )
+
+
+def decoder_layer_bytes(hf_config: Any, dtype_bytes: int, tp: int = 1) -> int:
+    """Bytes of one dense decoder layer's pack on one of ``tp`` tensor-parallel ranks
+    (Llama / Qwen / Mistral families): its matrices, the attention projections and the
+    gated MLP, split as vLLM splits them (KV heads are replicated when there are fewer of
+    them than ranks). Its vectors (norms, biases) stay resident outside the pack
+    (``compile_pass.placement.packed_parameters``)."""
+    refuse_unmodelled(hf_config)
     text = getattr(hf_config, "text_config", None) or hf_config
     hidden = text.hidden_size
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     inter = text.intermediate_size
-    params = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o, k, v
-    params += 3 * hidden * inter  # gate, up, down
+    rank_heads, rank_kv_heads = heads // tp, max(1, kv_heads // tp)
+    params = hidden * head_dim * (2 * rank_heads + 2 * rank_kv_heads)  # q, o, k, v
+    params += 3 * hidden * (inter // tp)  # gate, up, down
     return params * dtype_bytes
 
 
@@ -38,14 +68,17 @@ def dtype_bytes(dtype: Any) -> int:
 
 def planned_layer_bytes(vllm_config: Any, configured: int | None) -> int:
     """The layer size both sides plan the KV tiers with: ``layer_bytes`` if the user set it,
-    else :func:`decoder_layer_bytes` of the model's config, split over tensor-parallel ranks.
-    The scheduler has no weights to measure, so the worker plans with the same figure and
-    checks it against the pages a level really frees (:func:`check_planned_layer`)."""
+    else :func:`decoder_layer_bytes` of the model's config on one tensor-parallel rank.
+    The scheduler has no weights to measure, so the worker plans with the same figure,
+    checks it against the pages a level really frees (:func:`check_planned_layer`) and
+    reports its plan, which the scheduler checks against its own
+    (:func:`check_worker_plans`). Mixture-of-experts models are refused either way."""
+    model_config = vllm_config.model_config
+    refuse_unmodelled(model_config.hf_config)
     if configured:
         return configured
-    model_config = vllm_config.model_config
     tp = vllm_config.parallel_config.tensor_parallel_size
-    return decoder_layer_bytes(model_config.hf_config, dtype_bytes(model_config.dtype)) // tp
+    return decoder_layer_bytes(model_config.hf_config, dtype_bytes(model_config.dtype), tp)
 
 
 def check_planned_layer(planned_bytes: int, real_bytes: int, page_size: int) -> int:
@@ -94,6 +127,58 @@ def recover_plan(
         )
     plan = dataclasses.replace(probe, base_groups=base_groups)
     return plan, KVLayout(kv_cache_config.num_blocks, strides, page_size)
+
+
+class PlanMismatchError(RuntimeError):
+    """A worker maps a different KV capacity plan than the scheduler hands out blocks by."""
+
+
+def plan_report(
+    rank: int, plan: CapacityPlan, layout: KVLayout, kv_layout: str, real_layer_pages: int
+) -> PlanReport:
+    """What a worker reports of the plan it maps (on its first step)."""
+    return PlanReport(
+        rank=rank,
+        kv_layout=kv_layout,
+        page_size=layout.page_size,
+        num_blocks=layout.num_blocks,
+        group_blocks=plan.group_blocks,
+        base_groups=plan.base_groups,
+        max_level=plan.max_level,
+        layer_pages=plan.layer_pages,
+        pages_per_group=plan.pages_per_group,
+        real_layer_pages=real_layer_pages,
+    )
+
+
+def check_worker_plans(mine: PlanReport, reports: Sequence[PlanReport]) -> None:
+    """The scheduler's check of every rank's plan against its own (``mine``, whose
+    ``real_layer_pages`` it cannot know). Blocks the scheduler hands out must sit on pages
+    every worker mapped, and a level must free at least the pages it promises, else a KV
+    write lands on the read-only zero page and kills the CUDA context."""
+    problems = []
+    for report in reports:
+        theirs = dataclasses.replace(report, rank=mine.rank, real_layer_pages=mine.real_layer_pages)
+        if theirs != mine:
+            diff = {
+                f.name: (getattr(mine, f.name), getattr(theirs, f.name))
+                for f in dataclasses.fields(mine)
+                if getattr(mine, f.name) != getattr(theirs, f.name)
+            }
+            problems.append(f"rank {report.rank} maps {diff} (scheduler, worker)")
+        if report.real_layer_pages < report.layer_pages:
+            problems.append(
+                f"rank {report.rank}: a level frees {report.real_layer_pages} pages but the "
+                f"plan promises {report.layer_pages}"
+            )
+    if problems:
+        raise PlanMismatchError(
+            "dynamic offload: the workers' KV capacity plan differs from the scheduler's: "
+            + "; ".join(problems)
+            + ". Start vllm serve with the plugin's --worker-cls and --scheduler-cls from the "
+            'same installation; if they are, set "layer_bytes" in the dynamic_offload config '
+            "to the bytes the worker log reports for a decoder layer, and report the mismatch"
+        )
 
 
 # -- the packed layout: KV and weights on large pages -------------------------------------------

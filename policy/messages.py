@@ -94,6 +94,35 @@ class Calibration:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """The KV capacity plan one rank serves with, and what its real layers free; every
+    rank's rides on the first :class:`StepReport`, and the scheduler refuses to go on if
+    its own plan differs (:func:`dynoff.policy.geometry.check_worker_plans`).
+
+    Attributes:
+        rank: the worker's global rank.
+        kv_layout: ``"packed"`` or ``"per_layer"``, as the worker resolved it.
+        page_size: the VMM page the weights and KV tiers move on, bytes.
+        num_blocks: blocks in the KV tensors (the highest level's capacity).
+        group_blocks / base_groups / max_level / layer_pages / pages_per_group: the
+            :class:`~dynoff.policy.block_pool.CapacityPlan` the worker maps.
+        real_layer_pages: pages one offloaded layer's pack really spans on this rank; a
+            level frees these, and the plan may promise no more than them.
+    """
+
+    rank: int
+    kv_layout: str
+    page_size: int
+    num_blocks: int
+    group_blocks: int
+    base_groups: int
+    max_level: int
+    layer_pages: int
+    pages_per_group: int
+    real_layer_pages: int
+
+
+@dataclasses.dataclass(frozen=True)
 class StepReport:
     """What the worker measured for one step, plus resize outcomes since the last report.
 
@@ -105,6 +134,7 @@ class StepReport:
             filter keeps steps without prefill tokens).
         outcomes: resize results, one per rank per command applied.
         calibration: the start-up measurements, on the first report only.
+        plans: every rank's :class:`PlanReport`, on the first report only.
         restore_wait_ms: device time the compute stream waited for a lowering's
             asynchronous restore copy, over waits finished since the last report: the part
             of a change down that the change's own ``stall_ms`` does not see.
@@ -118,6 +148,7 @@ class StepReport:
     outcomes: tuple[ResizeOutcome, ...] = ()
     calibration: Calibration | None = None
     restore_wait_ms: float = 0.0
+    plans: tuple[PlanReport, ...] = ()
 
     @property
     def timed(self) -> bool:

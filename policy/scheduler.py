@@ -27,6 +27,7 @@ from dynoff.policy.geometry import (
     choose_page_size,
     layout_strides,
     packed_kv_cache_config,
+    plan_report,
     planned_layer_bytes,
     recover_plan,
     resolve_kv_layout,
@@ -90,6 +91,7 @@ class DynamicOffloadScheduler(AsyncScheduler):
             num_ranks=parallel.world_size,
             num_layers=num_layers,
             layer_bytes=layer_bytes,
+            expected_plan=plan_report(-1, plan, layout, config.kv_layout, plan.layer_pages),
         )
         block_size = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.offload.trace.event(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from dynoff.allocator.kv_cache import VmmKVCache
 from dynoff.policy.block_pool import plan_capacity
 from dynoff.policy.geometry import (
     choose_page_size,
+    decoder_layer_bytes,
     layout_strides,
     packed_kv_cache_config,
     recover_plan,
@@ -143,3 +145,21 @@ def test_an_explicit_packed_layout_that_cannot_apply_is_refused_with_the_fix() -
     )
     with pytest.raises(ValueError, match="2 kinds of KV cache"):
         resolve_kv_layout("packed", [STRIDED, window], on_cpu=False, v2_runner=True)
+
+
+def test_a_layer_is_sized_per_tensor_parallel_rank_with_kv_heads_replicated() -> None:
+    """vLLM splits q/o heads and the MLP over the ranks, and replicates KV heads when there
+    are fewer than ranks: a plan sized by total/tp would promise a rank fewer pages than its
+    layer really spans (wasted), never more."""
+    qwen3_32b = SimpleNamespace(
+        hidden_size=5120,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=25600,
+    )
+    assert decoder_layer_bytes(qwen3_32b, 2) == 930 * MiB
+    assert decoder_layer_bytes(qwen3_32b, 2, tp=8) == 930 * MiB // 8
+    # 16 ranks, 8 KV heads: each rank holds one KV head's k and v, not half of one.
+    per_rank = 5120 * 128 * (2 * 4 + 2 * 1) + 3 * 5120 * 1600
+    assert decoder_layer_bytes(qwen3_32b, 2, tp=16) == 2 * per_rank > 930 * MiB // 16

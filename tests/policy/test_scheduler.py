@@ -5,6 +5,7 @@ sees follows the level."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,14 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
 from dynoff.policy.block_pool import plan_capacity
-from dynoff.policy.geometry import decoder_layer_bytes, layout_strides
-from dynoff.policy.messages import ResizeOutcome, StepReport
+from dynoff.policy.geometry import (
+    PlanMismatchError,
+    UnsupportedModelError,
+    decoder_layer_bytes,
+    layout_strides,
+    planned_layer_bytes,
+)
+from dynoff.policy.messages import PlanReport, ResizeOutcome, StepReport
 from dynoff.policy.scheduler import DynamicOffloadScheduler
 from tests.policy.kv_fixtures import SPEC, make_request
 
@@ -103,3 +110,61 @@ def test_async_scheduling_stays_on(tmp_path: Path) -> None:
     finish_step(scheduler, first, StepReport(scheduler.current_step, 0, 5.0, 0, 16, ()))
     assert request.num_output_placeholders == 0
     scheduler.shutdown()
+
+
+def worker_plan(scheduler: DynamicOffloadScheduler, rank: int = 0, **changes: int) -> PlanReport:
+    """A worker's report of the plan it maps: the scheduler's own, changed by ``changes``."""
+    expected = scheduler.offload.expected_plan
+    assert expected is not None
+    return dataclasses.replace(expected, rank=rank, **changes)
+
+
+def test_the_scheduler_goes_on_only_if_every_rank_maps_its_plan(tmp_path: Path) -> None:
+    """Item 1 of the hardening issue: the workers report the plan they map, and a scheduler
+    that would hand out blocks no worker mapped stops, naming the difference."""
+    scheduler = build(tmp_path, schedule=[])
+    scheduler.add_request(make_request(list(range(16))))
+    first = scheduler.schedule()
+    plans = (worker_plan(scheduler, 0), worker_plan(scheduler, 1))
+    finish_step(
+        scheduler, first, StepReport(scheduler.current_step, 0, 5.0, 0, 16, (), None, 0.0, plans)
+    )
+    scheduler.shutdown()
+    assert '"event": "plan_checked"' in (tmp_path / "trace.jsonl").read_text()
+
+    scheduler = build(tmp_path, schedule=[])
+    scheduler.add_request(make_request(list(range(16))))
+    first = scheduler.schedule()
+    expected = scheduler.offload.expected_plan
+    assert expected is not None
+    fewer = (
+        worker_plan(scheduler, 0),
+        worker_plan(scheduler, 1, base_groups=expected.base_groups - 1),
+    )
+    with pytest.raises(PlanMismatchError, match=r"rank 1 maps \{'base_groups'"):
+        finish_step(
+            scheduler,
+            first,
+            StepReport(scheduler.current_step, 0, 5.0, 0, 16, (), None, 0.0, fewer),
+        )
+
+
+def test_a_plan_that_promises_more_pages_than_a_level_frees_is_refused(tmp_path: Path) -> None:
+    scheduler = build(tmp_path, schedule=[])
+    expected = scheduler.offload.expected_plan
+    assert expected is not None
+    short = worker_plan(scheduler, real_layer_pages=expected.layer_pages - 1)
+    with pytest.raises(PlanMismatchError, match=r"frees .* pages but the plan promises"):
+        scheduler.offload.on_report(StepReport(0, 0, 0.0, plans=(short,)))
+    scheduler.shutdown()
+
+
+def test_a_mixture_of_experts_model_is_refused_with_the_fix() -> None:
+    mixtral = Path(__file__).parents[1] / "models" / "mixtral-8x22b"
+    model = ModelConfig(model=str(mixtral), skip_tokenizer_init=True, dtype="bfloat16")
+    with pytest.raises(UnsupportedModelError, match=r"num_local_experts=8.*serve this model"):
+        decoder_layer_bytes(model.hf_config, 2)
+    vllm_config = VllmConfig(model_config=model)
+    # A configured layer size does not make the experts modelled.
+    with pytest.raises(UnsupportedModelError):
+        planned_layer_bytes(vllm_config, 1 << 30)

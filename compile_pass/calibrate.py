@@ -28,7 +28,7 @@ import torch
 from vllm.logger import init_logger
 
 from dynoff.compile_pass.levels import LevelChanger
-from dynoff.policy.block_pool import CapacityPlan
+from dynoff.policy.geometry import CapacityPlan
 from dynoff.policy.messages import Calibration, OffloadCommand
 
 logger = init_logger("vllm.dynoff.calibrate")

@@ -40,12 +40,14 @@ from dynoff.compile_pass.levels import LevelChanger, gather_outcomes
 from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.timing import StepTimer, Timed
-from dynoff.policy.block_pool import CapacityPlan, KVLayout, plan_capacity
 from dynoff.policy.config import DynamicOffloadConfig
 from dynoff.policy.geometry import (
+    CapacityPlan,
+    KVLayout,
     check_planned_layer,
     choose_page_size,
     packed_kv_cache_config,
+    plan_capacity,
     plan_report,
     planned_layer_bytes,
     recover_plan,

@@ -6,6 +6,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
+from dynoff.policy.geometry import GRANULE
+
 Estimator = Literal["measured", "model"]
 Proxy = Literal["decode", "model"]
 Rule = Literal["priced", "seed"]
@@ -188,7 +190,8 @@ class DynamicOffloadConfig:
             bypassing the policy (tests, demos, benchmarks at a fixed level).
         level_file: a file holding one integer: while it exists, the scheduler forces that
             level (read every step; benchmarks steer the level from outside the engine).
-        host_page_size: page size of the host VMM backend (CPU runs); CUDA uses 2 MiB.
+        host_page_size: page size of the host VMM backend (CPU runs); CUDA uses its granularity
+            (2 MiB) or, packed, the page :func:`~dynoff.policy.geometry.choose_page_size` picks.
         kv_layout: ``"auto"`` (default): ``"packed"`` wherever it applies, else
             ``"per_layer"`` (logged at start-up with the reason). ``"packed"``: vLLM's packed
             layout (one buffer, every layer's bytes of a block side by side), which lets a
@@ -213,7 +216,7 @@ class DynamicOffloadConfig:
     trace_path: str | None = None
     level_schedule: tuple[tuple[int, int], ...] = ()
     level_file: str | None = None
-    host_page_size: int = 2 << 20
+    host_page_size: int = GRANULE
     kv_layout: str = "auto"
     layer_bytes: int | None = None
     h2d_GBps: float | None = None

@@ -35,9 +35,9 @@ from vllm.v1.core.block_pool import BlockPool
 
 from dynoff.policy.algorithm import Decision, OffloadPolicy, Pressure
 from dynoff.policy.audit import ChangeAudit, Verdict
-from dynoff.policy.block_pool import CapacityPlan, ElasticBlockPool, KVLayout
+from dynoff.policy.block_pool import ElasticBlockPool
 from dynoff.policy.config import DynamicOffloadConfig
-from dynoff.policy.geometry import check_worker_plans
+from dynoff.policy.geometry import CapacityPlan, KVLayout, check_worker_plans
 from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepCost, StepShape
 from dynoff.policy.messages import (
     Calibration,

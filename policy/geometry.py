@@ -1,7 +1,11 @@
-"""Sizes both sides must agree on: a decoder layer's bytes, the KV layout, the tier plan.
+"""The capacity geometry, which both sides must agree on: the page, a decoder layer's bytes,
+how blocks sit in the KV tensors (:class:`KVLayout`), the groups each level holds
+(:class:`CapacityPlan`, :func:`plan_capacity`) and the packed KV layout.
 
 The worker sizes the KV tensors for ``plan_capacity(...).num_blocks`` (the highest level's
-capacity) and the scheduler recovers the same plan from the resulting ``KVCacheConfig``.
+capacity), the scheduler recovers the same plan from the resulting ``KVCacheConfig``
+(:func:`recover_plan`), and each rank reports the plan it maps, which the scheduler checks
+against its own (:func:`check_worker_plans`).
 """
 
 from __future__ import annotations
@@ -14,8 +18,135 @@ from typing import Any
 import torch
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheTensor
 
-from dynoff.policy.block_pool import CapacityPlan, KVLayout, plan_capacity
 from dynoff.policy.messages import PlanReport
+
+GRANULE = 2 << 20  # CUDA's VMM allocation granularity: the default page, the host backend's too
+# PyTorch's caching allocator reserves an allocation over 10 MiB in whole 2 MiB units: what
+# stock vLLM's KV tensors really occupy (c10/cuda/CUDACachingAllocator.cpp, kRoundLarge).
+TORCH_ROUND_LARGE = 2 << 20
+TORCH_LARGE_BUFFER = 10 << 20
+
+
+def torch_reserved(nbytes: int) -> int:
+    """Bytes the caching allocator reserves for one allocation of ``nbytes`` (large ones)."""
+    if nbytes <= TORCH_LARGE_BUFFER:
+        return nbytes
+    return -(-nbytes // TORCH_ROUND_LARGE) * TORCH_ROUND_LARGE
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """How blocks sit in the KV tensors.
+
+    Attributes:
+        num_blocks: blocks the BlockPool holds (capacity at the highest level).
+        block_bytes: bytes one block occupies in each KV tensor (its stride there).
+        page_size: VMM page size in bytes.
+    """
+
+    num_blocks: int
+    block_bytes: tuple[int, ...]
+    page_size: int = GRANULE
+
+    def __post_init__(self) -> None:
+        if not self.block_bytes or min(self.block_bytes) <= 0:
+            raise ValueError("block_bytes needs one positive stride per KV tensor")
+
+    @property
+    def group_blocks(self) -> int:
+        return math.lcm(*(self.page_size // math.gcd(self.page_size, b) for b in self.block_bytes))
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_blocks // self.group_blocks
+
+    @property
+    def pages_per_group(self) -> int:
+        return sum(self.group_blocks * b // self.page_size for b in self.block_bytes)
+
+    def blocks_of(self, group: int) -> range:
+        g = self.group_blocks
+        return range(group * g, (group + 1) * g)
+
+    def page_span(self, group: int, tensor: int) -> range:
+        """Pages of KV tensor ``tensor`` that group ``group`` occupies."""
+        per = self.group_blocks * self.block_bytes[tensor] // self.page_size
+        return range(group * per, (group + 1) * per)
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPlan:
+    """Groups per level: ``base_groups`` at k = 0, then the groups the freed layers' pages fill.
+
+    Each level frees ``layer_pages`` pages and a group takes ``pages_per_group``. Pages a
+    level frees beyond its whole groups are not lost: they wait in the pool for the next
+    level's, so level k holds ``base_groups + (k * layer_pages) // pages_per_group`` groups
+    and a change between two levels maps or unmaps :meth:`tier` groups (which may differ by
+    one from level to level).
+    """
+
+    group_blocks: int
+    base_groups: int
+    max_level: int
+    layer_pages: int
+    pages_per_group: int
+
+    def __post_init__(self) -> None:
+        if min(self.group_blocks, self.layer_pages, self.pages_per_group) < 1:
+            raise ValueError(f"a capacity plan needs positive sizes, not {self}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.groups_at(self.max_level) * self.group_blocks
+
+    def groups_at(self, level: int) -> int:
+        return self.base_groups + (level * self.layer_pages) // self.pages_per_group
+
+    def tier(self, level: int) -> int:
+        """Groups mapped going from ``level`` to ``level + 1`` (unmapped coming back)."""
+        return self.groups_at(level + 1) - self.groups_at(level)
+
+    def capacity_blocks(self, level: int) -> int:
+        """C_k: blocks at level k, the null block included."""
+        return self.groups_at(level) * self.group_blocks
+
+
+def plan_capacity(
+    block_bytes: Sequence[int],
+    base_blocks: int,
+    layer_bytes: int,
+    max_level: int,
+    page_size: int = GRANULE,
+) -> CapacityPlan:
+    """Tiers for a model: each level frees one layer's pages, which fill whole groups (the
+    remainder carried to the next level, :class:`CapacityPlan`).
+
+    Level 0 gets the ``base_blocks`` vLLM sized, in whole groups: rounded up when the last
+    partial group's pages are no more than stock vLLM's own KV tensors would reserve for
+    ``base_blocks`` (:func:`torch_reserved`), so level 0 holds no fewer blocks than stock
+    with no more memory; rounded down otherwise."""
+    probe = KVLayout(num_blocks=0, block_bytes=tuple(block_bytes), page_size=page_size)
+    layer_pages = -(-layer_bytes // page_size)
+    base_groups = base_blocks // probe.group_blocks
+    up = (base_groups + 1) * probe.group_blocks
+    if base_blocks % probe.group_blocks and all(
+        base_blocks * b > TORCH_LARGE_BUFFER and up * b <= torch_reserved(base_blocks * b)
+        for b in probe.block_bytes
+    ):
+        base_groups += 1
+    if base_groups < 1:
+        raise ValueError(
+            f"{base_blocks} KV blocks at level 0 do not fill one group of "
+            f"{probe.group_blocks} blocks; give the KV cache more memory"
+        )
+    if max_level > 0 and layer_pages < probe.pages_per_group:
+        raise ValueError(
+            f"one layer ({layer_pages} pages) frees less than one KV group "
+            f"({probe.pages_per_group} pages): offloading would not grow the KV cache"
+        )
+    return CapacityPlan(
+        probe.group_blocks, base_groups, max_level, layer_pages, probe.pages_per_group
+    )
 
 
 class UnsupportedModelError(ValueError):
@@ -183,7 +314,6 @@ def check_worker_plans(mine: PlanReport, reports: Sequence[PlanReport]) -> None:
 
 # -- the packed layout: KV and weights on large pages -------------------------------------------
 
-GRANULE = 2 << 20  # CUDA's VMM allocation granularity (and the default page)
 MAX_PAGE = 64 << 20  # a 128 MiB handle costs what a 2 MiB one does per call; groups grow with it
 TARGET_LAYER_PAGES = 32  # ~64 mappings a change, ~3.5 ms in the driver on the H200
 

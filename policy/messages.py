@@ -105,7 +105,7 @@ class PlanReport:
         page_size: the VMM page the weights and KV tiers move on, bytes.
         num_blocks: blocks in the KV tensors (the highest level's capacity).
         group_blocks / base_groups / max_level / layer_pages / pages_per_group: the
-            :class:`~dynoff.policy.block_pool.CapacityPlan` the worker maps.
+            :class:`~dynoff.policy.geometry.CapacityPlan` the worker maps.
         real_layer_pages: pages one offloaded layer's pack really spans on this rank; a
             level frees these, and the plan may promise no more than them.
     """

@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from dynoff.policy.config import DynamicOffloadConfig
 from dynoff.policy.controller import OffloadController
 from dynoff.policy.geometry import (
+    GRANULE,
     choose_page_size,
     layout_strides,
     packed_kv_cache_config,
@@ -37,8 +38,6 @@ from dynoff.policy.messages import RUNNER_OUTPUT_ATTR, SCHEDULER_OUTPUT_ATTR
 
 logger = init_logger("vllm.dynoff.scheduler")
 
-CUDA_PAGE_SIZE = 2 << 20
-
 
 def page_size_for(
     config: DynamicOffloadConfig, layer_bytes: int, kv_cache_config: KVCacheConfig
@@ -50,7 +49,7 @@ def page_size_for(
         return config.host_page_size
     if config.kv_layout == "packed":
         return choose_page_size(layer_bytes, layout_strides(kv_cache_config)[0])
-    return CUDA_PAGE_SIZE
+    return GRANULE
 
 
 class DynamicOffloadScheduler(AsyncScheduler):

@@ -15,7 +15,7 @@ from dynoff.compile_pass.levels import LevelChanger
 from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.runtime import OffloadRuntime
-from dynoff.policy.block_pool import CapacityPlan
+from dynoff.policy.geometry import CapacityPlan
 from tests.allocator.kv_config import kv_config
 from tests.compile_pass.toy_model import ToyDecoder
 

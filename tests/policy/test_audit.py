@@ -83,8 +83,8 @@ def test_the_controller_leaves_a_lost_level_and_backs_off(tmp_path) -> None:
     """A forced climb under a queue (the audit judges any climb), then 10% fewer tokens per
     second: the controller drains back to level 0 while requests still wait (held), and
     does not climb into level 1 again during the back-off."""
-    from dynoff.policy.block_pool import KVLayout, plan_capacity
     from dynoff.policy.controller import OffloadController
+    from dynoff.policy.geometry import KVLayout, plan_capacity
 
     plan = plan_capacity(STRIDES, 16, LAYER_BYTES, max_level=1, page_size=PAGE)
     manager = make_manager(plan.num_blocks)

@@ -14,13 +14,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from dynoff.policy.block_pool import (
-    ElasticBlockPool,
-    GroupState,
-    KVLayout,
-    plan_capacity,
-    torch_reserved,
-)
+from dynoff.policy.block_pool import ElasticBlockPool, GroupState
+from dynoff.policy.geometry import KVLayout, plan_capacity, torch_reserved
 from tests.policy.kv_fixtures import BLOCK_SIZE, SPEC, make_manager, make_request
 
 PAGE = 64 << 10  # small pages keep groups small: 8 KiB blocks -> 8 blocks per group

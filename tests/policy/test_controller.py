@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from dynoff.policy.block_pool import KVLayout, plan_capacity
 from dynoff.policy.config import DynamicOffloadConfig, PolicyConfig
 from dynoff.policy.controller import OffloadController
+from dynoff.policy.geometry import KVLayout, plan_capacity
 from dynoff.policy.latency import StepCost, StepShape
 from dynoff.policy.messages import OffloadCommand, ResizeOutcome, StepReport
 from tests.policy.kv_fixtures import BLOCK_SIZE, SPEC, make_manager, make_request

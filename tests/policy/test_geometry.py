@@ -17,12 +17,12 @@ from vllm.v1.kv_cache_interface import (
 
 from dynoff.allocator import VmmArena
 from dynoff.allocator.kv_cache import VmmKVCache
-from dynoff.policy.block_pool import plan_capacity
 from dynoff.policy.geometry import (
     choose_page_size,
     decoder_layer_bytes,
     layout_strides,
     packed_kv_cache_config,
+    plan_capacity,
     recover_plan,
     resolve_kv_layout,
 )

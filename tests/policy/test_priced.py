@@ -21,9 +21,9 @@ from pathlib import Path
 from bench.common import read_results
 from bench.serving import timed_forward
 from dynoff.policy.algorithm import OffloadPolicy, Pressure
-from dynoff.policy.block_pool import KVLayout, plan_capacity
 from dynoff.policy.config import DynamicOffloadConfig, PolicyConfig
 from dynoff.policy.controller import OffloadController
+from dynoff.policy.geometry import KVLayout, plan_capacity
 from dynoff.policy.latency import LatencyEstimator, OffloadCostModel, StepCost, StepShape
 from dynoff.policy.messages import Calibration, ResizeOutcome, StepReport
 from tests.policy.kv_fixtures import make_manager

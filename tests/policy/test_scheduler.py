@@ -14,12 +14,12 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheT
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
-from dynoff.policy.block_pool import plan_capacity
 from dynoff.policy.geometry import (
     PlanMismatchError,
     UnsupportedModelError,
     decoder_layer_bytes,
     layout_strides,
+    plan_capacity,
     planned_layer_bytes,
 )
 from dynoff.policy.messages import PlanReport, ResizeOutcome, StepReport

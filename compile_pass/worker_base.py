@@ -111,6 +111,22 @@ def check_gpu_config(vllm_config: Any) -> None:
         )
 
 
+def check_kv_connector(vllm_config: Any) -> None:
+    """Refuse a KV connector (``--kv-transfer-config``, or ``--kv-offloading-size``, which
+    vLLM turns into one): connectors that register the KV cache or ask for vLLM's uniform
+    layout allocate around the plugin's KV hook, so their blocks would not sit in the VMM
+    ranges the levels grow and shrink. Supported once the CPU KV tier issue lands."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    connector = getattr(transfer, "kv_connector", None) if transfer is not None else None
+    if connector:
+        raise ValueError(
+            f"kv_connector={connector}: dynamic offload owns the KV cache's memory through "
+            "CUDA VMM, and a KV connector allocates or registers it outside the plugin's "
+            "ranges; this combination is not supported yet: drop --kv-transfer-config "
+            "(and --kv-offloading-size), or serve without the plugin"
+        )
+
+
 def check_compile_config(compilation_config: Any) -> Route:
     """The compilation route, or the reason the layer ops would never run."""
     if compilation_config.mode == CompilationMode.NONE:
@@ -186,6 +202,7 @@ class DynamicOffloadMixin:
             raise ValueError("dynamic offload does not support pipeline parallelism yet")
         if not current_platform.is_cpu():
             check_gpu_config(vllm_config)
+        check_kv_connector(vllm_config)
         route = check_compile_config(vllm_config.compilation_config)
         if route == "split":
             # The plugin entry point installs it too, but VLLM_PLUGINS can leave general

@@ -7,7 +7,7 @@ import types
 import pytest
 from vllm.config import CUDAGraphMode
 
-from dynoff.compile_pass.worker_base import check_gpu_config
+from dynoff.compile_pass.worker_base import check_gpu_config, check_kv_connector
 
 
 def config(
@@ -50,6 +50,29 @@ def test_an_fp8_kv_cache_is_refused_with_the_fix(kv_dtype: str) -> None:
     with pytest.raises(ValueError, match=rf"kv_cache_dtype={kv_dtype}.*--kv-cache-dtype auto"):
         check_gpu_config(config(kv_dtype=kv_dtype))
     check_gpu_config(config(kv_dtype="bfloat16"))  # a non-fp8 KV dtype passes
+
+
+@pytest.mark.parametrize("connector", ["OffloadingConnector", "LMCacheConnectorV1"])
+def test_a_kv_connector_is_refused_with_the_fix(connector: str) -> None:
+    """Item 6 of the hardening issue: a connector allocates or registers the KV cache
+    outside the VMM ranges the levels resize. vLLM's own config object, as the CLI builds it."""
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    with_connector = VllmConfig(
+        kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role="kv_both")
+    )
+    with pytest.raises(ValueError, match=rf"kv_connector={connector}.*--kv-transfer-config"):
+        check_kv_connector(with_connector)
+    check_kv_connector(VllmConfig())  # no connector: accepted
+
+
+def test_vllms_kv_offloading_is_refused_too() -> None:
+    """``--kv-offloading-size`` is a connector under another name (vLLM adds it)."""
+    from vllm.config import CacheConfig, VllmConfig
+
+    offloading = VllmConfig(cache_config=CacheConfig(kv_offloading_size=4.0))
+    with pytest.raises(ValueError, match=r"kv_connector=.*--kv-offloading-size"):
+        check_kv_connector(offloading)
 
 
 def test_gpu_worker_module_leaves_torch_cuda_alone() -> None:

@@ -181,6 +181,7 @@ class _State:
     step: int = -1
     calibration: Calibration | None = None  # sent once, on the next report
     plans: tuple[PlanReport, ...] = ()  # every rank's, sent once, on the next report
+    last_command: int = -1  # the id of the last command processed
     timer: StepTimer = dataclasses.field(
         default_factory=lambda: StepTimer(cuda=not current_platform.is_cpu())
     )
@@ -480,6 +481,7 @@ class DynamicOffloadMixin:
         if command is not None:
             assert state.levels is not None
             state.outcomes += state.levels.apply_everywhere(command, self._gather)
+            state.last_command = command.command_id
         state.step += 1
         decode, prefill = step_shape(scheduler_output)
         state.timer.start(Timed(state.step, state.placement.level, decode, prefill))
@@ -509,6 +511,8 @@ class DynamicOffloadMixin:
             state.calibration,
             state.engine.restore_wait_ms() if state.engine.on_cuda else 0.0,
             state.plans,
+            state.last_command,
+            state.placement.level,
         )
         state.calibration = None
         state.plans = ()

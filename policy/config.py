@@ -56,6 +56,9 @@ class PolicyConfig:
         drain_timeout_steps: steps a drain may wait for its blocks (held ones included)
             before it aborts with a log line and the policy decides again (2000: about a
             minute at 30 ms steps; long requests on the targets' blocks keep a drain open).
+        report_timeout_steps: steps a command may wait for every rank's outcome (64).
+            Past it, the level rank 0's reports show for steps run after the command
+            settles it (applied or not), so a lost outcome never freezes the policy.
         descend_under_pressure: also step down while requests wait, when the level below
             serves more KV per ms (C_{k-1} / L_{k-1} > (1 + ``descend_margin``) · C_k / L_k,
             with level k measured ``min_samples`` times). The seed's Algorithm 1 only climbs
@@ -89,6 +92,7 @@ class PolicyConfig:
     mix_steps: int = 64
     drain_lag_steps: int = 2
     drain_timeout_steps: int = 2000
+    report_timeout_steps: int = 64
     descend_under_pressure: bool = False
     descend_margin: float = 0.05
     climb_margin: float | None = None
@@ -132,6 +136,10 @@ class PolicyConfig:
         if self.drain_timeout_steps < 1:
             raise ValueError(
                 f"drain_timeout_steps={self.drain_timeout_steps} must be >= 1, e.g. 2000"
+            )
+        if self.report_timeout_steps < 1:
+            raise ValueError(
+                f"report_timeout_steps={self.report_timeout_steps} must be >= 1, e.g. 64"
             )
         for name in ("descend_margin", "min_climb_margin", "audit_tolerance"):
             if getattr(self, name) < 0:

@@ -108,6 +108,7 @@ class OffloadController:
         self.inflight: OffloadCommand | None = None
         self._outcomes: dict[int, ResizeOutcome] = {}
         self._errors: list[str] = []
+        self._ran_at: int | None = None  # rank 0's level once it processed the inflight command
         self._next_id = 0
         self._mix: deque[StepShape] = deque(maxlen=config.policy.mix_steps)
         self._decision = "hold"
@@ -132,6 +133,8 @@ class OffloadController:
         policy = self.config.policy
         self._pressured = waiting > 0 or self.elastic.pool.get_usage() > policy.high_threshold
         command = None
+        if self.inflight is not None:
+            self._settle_overdue(step)
         if self.inflight is None:
             ready = self.elastic.take_ready(step)
             if ready:
@@ -248,6 +251,8 @@ class OffloadController:
             self.trace.event(
                 "restore_wait", step=report.step, wait_ms=round(report.restore_wait_ms, 3)
             )
+        if self.inflight is not None and report.last_command >= self.inflight.command_id:
+            self._ran_at = report.level_now
         for outcome in report.outcomes:
             if self.inflight is None or outcome.command_id != self.inflight.command_id:
                 continue
@@ -301,7 +306,47 @@ class OffloadController:
         )
         self._next_id += 1
         self.inflight, self._outcomes, self._errors = command, {}, []
+        self._ran_at = None
         return command
+
+    def _settle_overdue(self, step: int) -> None:
+        """A command still missing outcomes ``report_timeout_steps`` after it was issued
+        (a lost report) is settled by the level rank 0 reports once it has processed the
+        command (``StepReport.last_command`` / ``level_now``): the ranks agree on the level
+        before every forward (:mod:`~dynoff.compile_pass.levels`), so that level says
+        whether the change happened. Until such a report comes the command stays open:
+        guessing would hand out blocks on pages nobody mapped, or keep blocks whose pages
+        were unmapped."""
+        command = self.inflight
+        assert command is not None
+        if step - command.step <= self.config.policy.report_timeout_steps:
+            return
+        if self._ran_at not in (command.target_level, self.level):
+            return
+        missing = [r for r in range(self.num_ranks) if r not in self._outcomes]
+        applied = self._ran_at == command.target_level
+        self.trace.event(
+            "report_lost",
+            step=step,
+            command_id=command.command_id,
+            ranks=missing,
+            applied=applied,
+        )
+        logger.warning(
+            "dynamic offload: no outcome of command %d from rank(s) %s within %d steps; the "
+            "workers are at level %d since, so it is settled as %s",
+            command.command_id,
+            missing,
+            self.config.policy.report_timeout_steps,
+            self._ran_at,
+            "applied" if applied else "failed",
+        )
+        for rank in missing:
+            lost = f"no outcome within {self.config.policy.report_timeout_steps} steps"
+            self._outcomes[rank] = ResizeOutcome(command.command_id, rank, applied, lost)
+            if not applied:
+                self._errors.append(f"rank {rank}: {lost}")
+        self._complete(step)
 
     def _complete(self, step: int) -> None:
         command, self.inflight = self.inflight, None

@@ -135,6 +135,9 @@ class StepReport:
         outcomes: resize results, one per rank per command applied.
         calibration: the start-up measurements, on the first report only.
         plans: every rank's :class:`PlanReport`, on the first report only.
+        last_command / level_now: the id of the last command this rank processed (applied
+            or refused; -1 before any) and the level it is at now: what settles a command
+            whose outcome report was lost.
         restore_wait_ms: device time the compute stream waited for a lowering's
             asynchronous restore copy, over waits finished since the last report: the part
             of a change down that the change's own ``stall_ms`` does not see.
@@ -149,6 +152,8 @@ class StepReport:
     calibration: Calibration | None = None
     restore_wait_ms: float = 0.0
     plans: tuple[PlanReport, ...] = ()
+    last_command: int = -1
+    level_now: int = 0
 
     @property
     def timed(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from dynoff.policy.block_pool import GroupState
 from dynoff.policy.config import DynamicOffloadConfig, PolicyConfig
 from dynoff.policy.controller import OffloadController
 from dynoff.policy.geometry import KVLayout, plan_capacity
@@ -267,3 +268,65 @@ def test_a_drain_that_never_finishes_times_out_and_the_controller_decides_again(
     assert ctl.level == 1 and ctl.elastic.invariant_violations() == []
     assert ctl.elastic.draining  # the forced 0 still stands: the controller drains anew
     assert ctl.elastic.drain_started_step == 8
+
+
+def lost(command: OffloadCommand, level_now: int, processed: bool = True) -> StepReport:
+    """A report whose outcome was lost: a timed step, and what the worker says it is at."""
+    return StepReport(
+        step=command.step + 1,
+        level=level_now,
+        forward_ms=10.0,
+        num_decode_tokens=4,
+        last_command=command.command_id if processed else command.command_id - 1,
+        level_now=level_now,
+    )
+
+
+def test_a_lost_outcome_is_settled_by_the_level_the_workers_report(tmp_path) -> None:
+    """Item 5 of the hardening issue: a lost report never freezes the policy. Past
+    ``report_timeout_steps`` the command is settled by the level rank 0 says it is at once
+    it has processed the command: a raise the workers made is committed, a lowering they
+    refused leaves the tier mapped."""
+    policy = PolicyConfig(rule="seed", cooldown_steps=0, report_timeout_steps=8)
+    ctl, manager = controller(tmp_path, schedule=[(1, 1), (20, 0)], policy=policy)
+    up = ctl.on_schedule_start(1, 0, 0)
+    assert up is not None
+    ctl.on_report(lost(up, level_now=1))
+    for step in range(2, 10):  # within the bound: still waiting for the outcome
+        assert ctl.on_schedule_start(step, 0, 0) is None and ctl.inflight is up
+    ctl.on_schedule_start(10, 0, 0)
+    assert ctl.inflight is None and ctl.level == 1
+    assert manager.block_pool.num_gpu_blocks == 32  # the groups the workers mapped are used
+    # The lowering: its outcome lost, the workers report the old level (they refused it).
+    step = 20
+    while (down := ctl.on_schedule_start(step, 0, 0)) is None:
+        step += 1
+    assert down.target_level == 0 and down.unmap_groups
+    ctl.on_report(lost(down, level_now=1))
+    s = step
+    while ctl.inflight is down and s < step + 10:
+        s += 1
+        ctl.on_schedule_start(s, 0, 0)
+    assert s == step + 9  # settled once the bound passed
+    assert ctl.inflight is None and ctl.level == 1
+    # The tier came back to the pool (its pages are mapped), and the forced schedule's
+    # next drain of it has begun (free blocks: drained at once), not retired unmapped.
+    again = ctl.elastic.groups_in(GroupState.DRAINING, GroupState.RECLAIMED)
+    assert set(down.unmap_groups) == set(again)
+    assert ctl.elastic.invariant_violations() == []
+    events = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    lost_events = [e for e in events if e.get("event") == "report_lost"]
+    assert [e["applied"] for e in lost_events] == [True, False]
+
+
+def test_without_word_from_the_workers_a_command_stays_open(tmp_path) -> None:
+    """No report that the workers processed the command: settling it either way could hand
+    out blocks on unmapped pages, so it stays open (and nothing else is commanded)."""
+    policy = PolicyConfig(rule="seed", cooldown_steps=0, report_timeout_steps=4)
+    ctl, manager = controller(tmp_path, schedule=[(1, 1)], policy=policy)
+    up = ctl.on_schedule_start(1, 0, 0)
+    assert up is not None
+    ctl.on_report(lost(up, level_now=0, processed=False))
+    for step in range(2, 40):
+        assert ctl.on_schedule_start(step, 0, 0) is None
+    assert ctl.inflight is up and manager.block_pool.num_gpu_blocks == 16

@@ -49,6 +49,12 @@ class RanksDivergedError(RuntimeError):
     level, so no step may run."""
 
 
+class TornChangeError(RanksDivergedError):
+    """A change failed half-way on this rank and its undo failed too: the rank's weights
+    and KV ranges match no level, so reporting a plain failure would let the scheduler hand
+    out blocks on pages that are no longer mapped."""
+
+
 class LevelChanger:
     """One rank's weights, KV cache, engine and runtime, moved together between levels."""
 
@@ -108,6 +114,9 @@ class LevelChanger:
                 copy_ms=self.placement.last_copy_ms,
                 slots_changed=int(after["slots_changed"] - before["slots_changed"]),
             )
+        except TornChangeError:
+            self.runtime.set_level(self.level)  # the ops follow what the pages really hold
+            raise  # no level to serve at: the engine stops, loudly
         except Exception as exc:  # reported; the scheduler keeps the old level
             logger.warning(
                 "dynamic offload: command %d failed on rank %d: %s",
@@ -123,8 +132,8 @@ class LevelChanger:
         self.placement.raise_level()
         try:
             self.kv.map_groups(groups)
-        except Exception:
-            self.placement.lower_level()
+        except Exception as exc:
+            self._undo(self.placement.lower_level, exc, "raising")
             raise
 
     def _lower(self, groups: tuple[int, ...]) -> None:
@@ -140,9 +149,23 @@ class LevelChanger:
         self.kv.unmap_groups(groups)
         try:
             self.placement.lower_level(restore=self.engine.restore)
-        except Exception:
-            self.kv.map_groups(groups)
+        except Exception as exc:
+            self._undo(lambda: self.kv.map_groups(groups), exc, "lowering")
             raise
+
+    def _undo(self, undo: Callable[[], object], cause: Exception, what: str) -> None:
+        """Undo the first half of a change whose second half failed with ``cause``; if the
+        undo fails too, :class:`TornChangeError`."""
+        try:
+            undo()
+        except Exception as exc:
+            raise TornChangeError(
+                f"dynamic offload: rank {self.rank} failed {what} from level {self.level} "
+                f"({type(cause).__name__}: {cause}) and could not undo its first half "
+                f"({type(exc).__name__}: {exc}); its KV groups and weights match no level, "
+                "so it stops rather than serve on unmapped pages. Restart the server; if it "
+                'recurs, set "policy": {"max_level": 0} and report it'
+            ) from exc
 
     def revert(self, command: OffloadCommand, old_level: int) -> None:
         """Undo a command this rank applied because another rank failed it. If the undo

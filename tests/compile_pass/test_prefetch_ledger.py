@@ -86,3 +86,38 @@ def test_a_rollback_that_fails_stops_the_rank_loudly_and_keeps_its_ops_truthful(
         levels.revert(command, old_level=0)
     placement.arena._inject_failure(-1)
     assert levels.runtime.level == levels.level  # no op runs a placement that is not there
+
+
+def failing(what: str):
+    """Fault injection: a call that fails the way a driver error would."""
+
+    def fail(*_args, **_kwargs):
+        raise RuntimeError(f"injected: {what} failed")
+
+    return fail
+
+
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_a_change_torn_half_way_stops_the_rank_instead_of_reporting_a_failure(
+    rig, monkeypatch, direction: str
+) -> None:
+    """Item 5 of the hardening issue: the second half of a change fails and so does the undo
+    of its first half (both injected; the first half runs on the real host arena). A plain
+    failed outcome would make the scheduler keep (or return) blocks whose pages are gone;
+    the rank raises TornChangeError instead, and its ops follow what its pages hold."""
+    from dynoff.compile_pass.levels import TornChangeError
+
+    levels, placement, engine = rig
+    if direction == "down":
+        assert levels.apply(OffloadCommand(0, 1, 1, map_groups=(8, 9))).ok
+        engine.prefetch(0)  # what a step at level 1 ends with
+        command = OffloadCommand(1, 2, 0, unmap_groups=(8, 9))  # the KV unmap runs for real
+        monkeypatch.setattr(placement, "lower_level", failing("giving layer 4 its pages"))
+        monkeypatch.setattr(levels.kv, "map_groups", failing("remapping the KV groups"))
+    else:
+        command = OffloadCommand(0, 1, 1, map_groups=(8, 9))  # the alias runs for real
+        monkeypatch.setattr(levels.kv, "map_groups", failing("mapping the KV groups"))
+        monkeypatch.setattr(placement, "lower_level", failing("un-aliasing layer 4"))
+    with pytest.raises(TornChangeError, match="could not undo its first half"):
+        levels.apply(command)
+    assert levels.runtime.level == levels.level

@@ -240,9 +240,10 @@ def main() -> None:
     parser.add_argument("--route", choices=["partition", "split"], default="split")
     parser.add_argument(
         "--kv-layout",
-        choices=["per_layer", "packed"],
-        default="per_layer",
-        help="the plugin engines' kv_layout (packed: large pages, vLLM's packed KV layout)",
+        choices=["auto", "per_layer", "packed"],
+        default="auto",
+        help="the plugin engines' kv_layout (default: the plugin's own, auto; packed: large "
+        "pages, vLLM's packed KV layout)",
     )
     parser.add_argument("--workdir", default="/tmp/dynoff-e2e-correctness")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)

@@ -80,6 +80,14 @@ def report(paths: list[str]) -> dict[str, Any]:
         for direction, changes in entry["changes"].items():
             row[direction] = {
                 "changes": len(changes),
+                # a change down's stall includes the device's wait for its restore copy
+                # only where the trace recorded that wait (traces before 2026-12-05 lost it
+                # when it came in the same report as the change)
+                **(
+                    {"restore_wait_recorded": sum("restore_wait_ms" in c for c in changes)}
+                    if direction == "down"
+                    else {}
+                ),
                 **{
                     key: _stats([c[key] for c in changes if key in c])
                     for key in ("stall_ms", "blocked_ms", "driver_ms")

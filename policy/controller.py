@@ -247,10 +247,6 @@ class OffloadController:
                 decode_tokens=report.num_decode_tokens,
                 prefill_tokens=report.num_prefill_tokens,
             )
-        if report.restore_wait_ms > 0:
-            self.trace.event(
-                "restore_wait", step=report.step, wait_ms=round(report.restore_wait_ms, 3)
-            )
         if self.inflight is not None and report.last_command >= self.inflight.command_id:
             self._ran_at = report.level_now
         for outcome in report.outcomes:
@@ -261,6 +257,13 @@ class OffloadController:
                 self._errors.append(f"rank {outcome.rank}: {outcome.error}")
         if self.inflight is not None and len(self._outcomes) >= self.num_ranks:
             self._complete(report.step)
+        # After the outcomes: a lowering's restore wait, often reported together with the
+        # change itself (the device passed the restored layer before the report was built),
+        # follows it in the trace, so each wait is read as the change's that caused it.
+        if report.restore_wait_ms > 0:
+            self.trace.event(
+                "restore_wait", step=report.step, wait_ms=round(report.restore_wait_ms, 3)
+            )
 
     # -- decisions ----------------------------------------------------------------------------
     def _maybe_move(self, step: int, waiting: int) -> OffloadCommand | None:

@@ -28,6 +28,7 @@ def test_changes_are_split_by_direction_with_median_and_max(tmp_path: Path) -> N
     row = report([str(path)])["models"]["qwen3-32b"]["packed"]
     assert row["up"]["changes"] == 3 and row["up"]["stall_ms"] == {"median": 5.0, "max": 9.0}
     assert row["down"]["stall_ms"] == {"median": 25.0, "max": 25.0}
+    assert row["down"]["restore_wait_recorded"] == 0  # the report says what it lacks
     assert row["within_goal"] is False  # down: 25 ms median stall, over 20
     assert row["reclaim_group"] == {
         "blocks": 15,

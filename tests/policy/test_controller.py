@@ -330,3 +330,26 @@ def test_without_word_from_the_workers_a_command_stays_open(tmp_path) -> None:
     for step in range(2, 40):
         assert ctl.on_schedule_start(step, 0, 0) is None
     assert ctl.inflight is up and manager.block_pool.num_gpu_blocks == 16
+
+
+def test_a_restore_wait_reported_with_its_lowering_is_counted_in_that_lowerings_stall(
+    tmp_path,
+) -> None:
+    """Seen on the H200 under vllm serve: the device had passed the restored layer before the
+    worker built the report, so the restore wait came in the same report as the lowering's
+    outcome. The trace must carry it after the change, where the stall report reads it."""
+    from bench.serve_bench import change_stalls
+
+    ctl, _ = controller(tmp_path, schedule=[(1, 1), (3, 0)])
+    ctl.on_report(ack(ctl.on_schedule_start(1, 0, 0), level=1))
+    step = 3
+    while (down := ctl.on_schedule_start(step, 0, 0)) is None:
+        step += 1
+    report = ack(down, level=0)
+    ctl.on_report(StepReport(**{**report.__dict__, "restore_wait_ms": 6.5}))
+    ctl.trace.close()
+    events = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    rows = change_stalls([e for e in events if e["kind"] == "event"])
+    assert [(r["from"], r["to"]) for r in rows] == [(0, 1), (1, 0)]
+    assert rows[1]["restore_wait_ms"] == 6.5
+    assert rows[1]["stall_ms"] == 2.5 + 6.5  # the ack's remap 9.0 - sync 6.5, and the wait

@@ -50,6 +50,8 @@ def main() -> None:
     else:
         outputs = generate(llm, prompts(6, 40), 24)
     result: dict[str, Any] = {"outputs": outputs}
+    if offload is not None:  # HACK guard: the KV the forward reads lies in the VMM ranges
+        result["kv_outside_vmm"] = llm.collective_rpc("dynoff_kv_outside_vmm")
     if args.trace:
         result["trace"] = summarize_trace(Path(args.trace))
     Path(args.out).write_text(json.dumps(result))

@@ -36,6 +36,16 @@ its own two places:
    priority-ordered ``_candidates`` with ``_is_compatible``. While k > 0 the worker's wrapper
    skips the FULL candidates (:func:`steer_cudagraph_manager`): the step replays the
    piecewise graph of the same size, or runs compiled without graphs if there is none.
+
+Private attributes of the model runners (both):
+
+7. ``model_memory_usage``: the weights' bytes, which the worker's memory profile
+   (``Worker.determine_available_memory``, ``weights_memory=``) counts; the plugin takes out
+   the bytes it moved into VMM pages (:func:`take_out_of_model_memory`).
+8. ``_dummy_run(num_tokens, uniform_decode=True)``: one decode step on dummy inputs through
+   the captured graphs; the start-up calibration times it (:func:`dummy_decode`).
+9. ``AsyncModelRunnerOutput.get_output()``: the async runner's output is materialized by the
+   executor calling it; the worker chains its report onto it (:func:`chain_async_output`).
 """
 
 from __future__ import annotations
@@ -164,3 +174,21 @@ def cpu_linear_keeps_weights() -> Iterator[None]:
         yield
     finally:
         utils.dispatch_cpu_unquantized_gemm = original
+
+
+def take_out_of_model_memory(runner: Any, moved: int) -> tuple[int, int]:
+    """Take ``moved`` bytes out of the runner's weights memory (7); (before, after)."""
+    before = int(getattr(runner, "model_memory_usage", 0))
+    runner.model_memory_usage = max(0, before - moved)
+    return before, runner.model_memory_usage
+
+
+def dummy_decode(runner: Any, batch: int) -> Any:
+    """One uniform decode step of ``batch`` requests on dummy inputs (8)."""
+    return runner._dummy_run(batch, uniform_decode=True)
+
+
+def chain_async_output(output: Any, then: Callable[[Any], Any]) -> None:
+    """Make ``output.get_output()`` return ``then(<the runner's output>)`` (9)."""
+    inner = output.get_output
+    output.get_output = lambda: then(inner())

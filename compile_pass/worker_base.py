@@ -300,15 +300,14 @@ class DynamicOffloadMixin:
         runner = self.model_runner  # type: ignore[attr-defined]
         if not current_platform.is_cpu():
             torch.cuda.empty_cache()
-        before = int(getattr(runner, "model_memory_usage", 0))
-        runner.model_memory_usage = max(0, before - moved)
+        before, after = hacks.take_out_of_model_memory(runner, moved)
         logger.info(
             "dynamic offload: %.2f GiB of decoder weights moved to VMM (%.2f GiB of pages); "
             "torch-held model memory %.2f -> %.2f GiB",
             moved / 2**30,
             placement.arena.stats().bytes_allocated / 2**30,
             before / 2**30,
-            runner.model_memory_usage / 2**30,
+            after / 2**30,
         )
 
     def determine_available_memory(self) -> int:
@@ -450,7 +449,7 @@ class DynamicOffloadMixin:
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
         run_decode = None
         if cuda and vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs():
-            run_decode = lambda batch: runner._dummy_run(batch, uniform_decode=True)  # noqa: E731
+            run_decode = lambda batch: hacks.dummy_decode(runner, batch)  # noqa: E731
         max_batch = min(
             vllm_config.scheduler_config.max_num_seqs,
             vllm_config.compilation_config.max_cudagraph_capture_size or 1,
@@ -517,8 +516,7 @@ class DynamicOffloadMixin:
         state.calibration = None
         state.plans = ()
         if isinstance(output, AsyncModelRunnerOutput):
-            inner = output.get_output
-            output.get_output = lambda: with_report(inner(), report)  # type: ignore[method-assign]
+            hacks.chain_async_output(output, lambda inner: with_report(inner, report))
             return output
         return with_report(output, report)
 
@@ -537,6 +535,28 @@ class DynamicOffloadMixin:
             "kv_block_bytes": sum(self._kv_strides()),
             "transfers": state.engine.transfer_stats(reset),
         }
+
+    def dynoff_kv_outside_vmm(self) -> list[str]:
+        """HACK guard, in the real engine: the attention layers whose bound KV cache (what
+        the forward reads, vLLM's forward context) does not lie inside this rank's VMM KV
+        ranges. Empty when the KV allocation hook took effect (``hacks.route_kv_allocation``
+        / ``hacks.kv_allocation_v2``)."""
+        kv = self._dynoff.kv
+        assert kv is not None
+        spans = [(b.range.ptr, b.range.ptr + b.range.nbytes) for b in kv.buffers]
+        context = self.vllm_config.compilation_config.static_forward_context  # type: ignore[attr-defined]
+        outside = []
+        for name, layer in context.items():
+            caches = getattr(layer, "kv_cache", None)
+            if caches is None:
+                continue
+            for cache in caches if isinstance(caches, list | tuple) else [caches]:
+                if cache.numel() == 0:  # a placeholder, never read
+                    continue
+                start, end = cache.data_ptr(), cache.data_ptr() + cache.nbytes
+                if not any(lo <= start and end <= hi for lo, hi in spans):
+                    outside.append(name)
+        return outside
 
     def dynoff_force_piecewise(self, on: bool) -> None:
         """Benchmarks: run the piecewise graphs at k = 0 too (the path every k > 0 takes)."""

@@ -24,7 +24,8 @@ is aborted (its blocks spliced back) if the free list runs dry meanwhile. A *hel
 (the policy stepping down under pressure) is not aborted: vLLM serves on with fewer free
 blocks, preempting if it must, until the draining groups are free. A block of a draining
 group leaves the pool the moment it is freed (``BlockPool.free_blocks`` is wrapped), so
-vLLM cannot hand it out again, not even within the same ``schedule()``.
+vLLM cannot hand it out again, not even within the same ``schedule()``. Every private part
+of ``BlockPool`` it touches goes through :mod:`.hacks`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import Iterable
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from dynoff.policy import hacks
 from dynoff.policy.geometry import KVLayout
 
 
@@ -63,9 +65,9 @@ class ElasticBlockPool:
     def __init__(
         self, pool: BlockPool, layout: KVLayout, active_groups: int, drain_lag_steps: int = 2
     ) -> None:
-        if layout.num_blocks != pool.num_gpu_blocks:
+        if layout.num_blocks != hacks.capacity(pool):
             raise ValueError(
-                f"layout has {layout.num_blocks} blocks, the BlockPool {pool.num_gpu_blocks}"
+                f"layout has {layout.num_blocks} blocks, the BlockPool {hacks.capacity(pool)}"
             )
         if not 1 <= active_groups <= layout.num_groups:
             raise ValueError(f"active_groups={active_groups} outside [1, {layout.num_groups}]")
@@ -83,8 +85,8 @@ class ElasticBlockPool:
         for group in range(active_groups, layout.num_groups):
             self._take_out(layout.blocks_of(group))
         self._sync_capacity()
-        self._pool_free_blocks = pool.free_blocks
-        pool.free_blocks = self._free_blocks  # type: ignore[method-assign]
+        self._pool_free_blocks: hacks.FreeBlocks
+        hacks.wrap_free_blocks(pool, self._wrap_free_blocks)
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -105,10 +107,10 @@ class ElasticBlockPool:
     @property
     def capacity_blocks(self) -> int:
         """Blocks in circulation (allocated or free), the null block included."""
-        return self.pool.num_gpu_blocks
+        return hacks.capacity(self.pool)
 
     def _in_free_queue(self, block: KVCacheBlock) -> bool:
-        return block.prev_free_block is not None
+        return hacks.in_free_list(block)
 
     def _group_free(self, group: int) -> bool:
         return all(self._in_free_queue(self.pool.blocks[b]) for b in self.layout.blocks_of(group))
@@ -160,7 +162,7 @@ class ElasticBlockPool:
         blocks = frozenset(b for g in targets for b in self.layout.blocks_of(g))
         # Drop the targets' prefix hashes now, in-use blocks included: a hot prefix block
         # would otherwise be touched by every new request that shares it and never free.
-        self.pool.evict_blocks(set(blocks))
+        hacks.evict_prefix_hashes(self.pool, blocks)
         self._drain = _Drain(tuple(sorted(targets)), started_step=step, blocks=blocks, hold=hold)
         self.poll(step)
         return self._drain.targets if self._drain else tuple(sorted(targets))
@@ -198,6 +200,10 @@ class ElasticBlockPool:
         back."""
         drain = self._drain
         return drain is not None and not drain.hold and self.pool.get_num_free_blocks() == 0
+
+    def _wrap_free_blocks(self, original: hacks.FreeBlocks) -> hacks.FreeBlocks:
+        self._pool_free_blocks = original
+        return self._free_blocks
 
     def _free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """``BlockPool.free_blocks``, then the freed blocks of a draining group leave."""
@@ -257,28 +263,28 @@ class ElasticBlockPool:
         ids = [b for b in block_ids if b not in self._out]
         if not ids:
             return
-        self.pool.evict_blocks(set(ids))  # drop prefix-cache hashes before they leave
+        hacks.evict_prefix_hashes(self.pool, ids)  # drop prefix hashes before they leave
         for b in ids:
             block = self.pool.blocks[b]
             if self._in_free_queue(block):
-                self.pool.free_block_queue.remove(block)
+                hacks.remove_from_free_list(self.pool, block)
             self._out.add(b)
 
     def _put_back(self, block_ids: Iterable[int]) -> None:
         blocks = [self.pool.blocks[b] for b in block_ids if b in self._out]
         for block in blocks:
             self._out.discard(block.block_id)
-        self.pool.free_block_queue.prepend_n(blocks)
+        hacks.prepend_to_free_list(self.pool, blocks)
 
     def _sync_capacity(self) -> None:
-        self.pool.num_gpu_blocks = self.layout.num_blocks - len(self._out)
+        hacks.set_capacity(self.pool, self.layout.num_blocks - len(self._out))
 
     def invariant_violations(self) -> list[str]:
         """Every broken invariant, described (empty when the pool is sound)."""
         pool, problems = self.pool, []
-        free = pool.free_block_queue.get_all_free_blocks()
+        free, num_free = hacks.free_list(pool)
         free_ids = {b.block_id for b in free}
-        if len(free) != pool.free_block_queue.num_free_blocks:
+        if len(free) != num_free:
             problems.append("free count does not match the free list")
         if any(pool.blocks[b].ref_cnt > 0 for b in free_ids):
             problems.append("a block is both free and allocated")
@@ -288,21 +294,12 @@ class ElasticBlockPool:
         for g, state in enumerate(self.states):
             if state in idle and any(pool.blocks[b].ref_cnt for b in self.layout.blocks_of(g)):
                 problems.append(f"group {g} ({state.value}) has an allocated block")
-        for block in _prefix_cached_blocks(pool):
+        for block in hacks.prefix_cached_blocks(pool):
             if block.block_id in self._out:
                 problems.append(f"prefix map points at block {block.block_id}, out of the pool")
         null = pool.blocks[0]
         if not null.is_null or pool.null_block is not null or self._in_free_queue(null):
             problems.append("the null block is not intact")
-        if pool.num_gpu_blocks != self.layout.num_blocks - len(self._out):
+        if hacks.capacity(pool) != self.layout.num_blocks - len(self._out):
             problems.append("num_gpu_blocks does not count the blocks in circulation")
         return problems
-
-
-def _prefix_cached_blocks(pool: BlockPool) -> list[KVCacheBlock]:
-    """Every block the prefix-cache map points at. Reads ``BlockHashToBlockMap._cache``
-    (vLLM 0.26: values are a block or a {block_id: block} dict); invariant checks only."""
-    out: list[KVCacheBlock] = []
-    for value in pool.cached_block_hash_to_block._cache.values():
-        out.extend(value.values() if isinstance(value, dict) else [value])
-    return out

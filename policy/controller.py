@@ -434,7 +434,7 @@ class OffloadController:
             step=step,
             level=self.level,
             target=self.policy.level,
-            capacity_blocks=pool.num_gpu_blocks,
+            capacity_blocks=self.elastic.capacity_blocks,
             kv_util=round(pool.get_usage(), 4),
             waiting=waiting,
             running=running,

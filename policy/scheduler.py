@@ -5,9 +5,10 @@ A thin subclass of vLLM's ``AsyncScheduler``: each step it asks the
 ``SchedulerOutput`` (attribute ``dynamic_offload``), and it feeds the workers'
 ``StepReport`` (``ModelRunnerOutput.dynamic_offload``) back to the controller.
 
-vLLM internals touched (vLLM 0.26.0): ``Scheduler.kv_cache_manager.block_pool`` (its
-``blocks``, ``free_block_queue``, ``num_gpu_blocks``, ``evict_blocks``), ``Scheduler.waiting``,
-``skipped_waiting``, ``running`` and ``current_step``; nothing is patched globally.
+vLLM internals touched (vLLM 0.26.0), each through :mod:`dynoff.policy.hacks`:
+``Scheduler.kv_cache_manager.block_pool``'s free list and capacity, and
+``Scheduler.skipped_waiting``; besides, the public ``waiting``, ``running`` and
+``current_step``. Nothing is patched globally.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
+from dynoff.policy import hacks
 from dynoff.policy.config import DynamicOffloadConfig
 from dynoff.policy.controller import OffloadController
 from dynoff.policy.geometry import (
@@ -119,7 +121,7 @@ class DynamicOffloadScheduler(AsyncScheduler):
         step = self.current_step + 1
         command = self.offload.on_schedule_start(step, self._left_waiting, len(self.running))
         output = super().schedule(*args, **kwargs)
-        self._left_waiting = len(self.waiting) + len(self.skipped_waiting)
+        self._left_waiting = hacks.num_waiting(self)
         self.offload.on_schedule_end(step, output.total_num_scheduled_tokens)
         setattr(output, SCHEDULER_OUTPUT_ATTR, command)
         return output

@@ -132,3 +132,50 @@ def test_v2_dispatch_signature_and_steering() -> None:
     hacks.steer_cudagraph_manager(only_full, lambda: True)
     desc = only_full.dispatch(6, 6, 1, 0)  # type: ignore[attr-defined]
     assert desc.cg_mode == CUDAGraphMode.NONE and (desc.num_tokens, desc.num_reqs) == (6, 6)
+
+
+def test_model_memory_usage_is_what_the_memory_profile_counts_as_weights() -> None:
+    """7: both runners record the weights' bytes in ``model_memory_usage`` when they load
+    the model, and the worker's profile takes it as the weights' memory; the plugin's
+    correction lowers it by what it moved, never below zero."""
+    import types
+
+    from vllm.v1.worker import gpu_worker
+    from vllm.v1.worker.gpu import model_runner as v2
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    profile = inspect.getsource(gpu_worker.Worker.determine_available_memory)
+    assert "weights_memory=int(self.model_runner.model_memory_usage)" in profile
+    for runner in (GPUModelRunner, v2.GPUModelRunner):
+        assert "self.model_memory_usage = m.consumed_memory" in inspect.getsource(runner.load_model)
+    runner = types.SimpleNamespace(model_memory_usage=10 << 30)
+    assert hacks.take_out_of_model_memory(runner, 4 << 30) == (10 << 30, 6 << 30)
+    assert hacks.take_out_of_model_memory(runner, 8 << 30) == (6 << 30, 0)
+
+
+def test_dummy_run_takes_a_uniform_decode_batch_in_both_runners() -> None:
+    """8: the calibration's decode step."""
+    from vllm.v1.worker.gpu import model_runner as v2
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    for runner in (GPUModelRunner, v2.GPUModelRunner):
+        params = inspect.signature(runner._dummy_run).parameters
+        assert list(params)[1] == "num_tokens" and "uniform_decode" in params
+
+
+def test_the_report_rides_on_what_get_output_returns() -> None:
+    """9: vLLM's executors materialize an async runner output by calling ``get_output()``;
+    the chained function sees the runner's output and its result is what they get."""
+    from vllm.v1.executor import multiproc_executor, uniproc_executor
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    assert "get_output()" in inspect.getsource(multiproc_executor)
+    assert "get_output()" in inspect.getsource(uniproc_executor)
+
+    class Output(AsyncModelRunnerOutput):  # vLLM's abstract contract, made concrete
+        def get_output(self):  # type: ignore[no-untyped-def]
+            return {"tokens": [7]}
+
+    output = Output()
+    hacks.chain_async_output(output, lambda inner: {**inner, "report": "step 3"})
+    assert output.get_output() == {"tokens": [7], "report": "step 3"}

@@ -51,6 +51,9 @@ def test_forced_levels_are_token_identical_to_no_offload(model: str, tmp_path: P
     forced = run_engine("forced", model, tmp_path)
     assert len(forced["outputs"]) == 6 and all(len(o) == 24 for o in forced["outputs"])
     assert forced["outputs"] == reference["outputs"]
+    # The KV allocation hook took effect in the real engine: every attention layer's bound
+    # KV cache (what its forward reads) lies inside the plugin's VMM ranges.
+    assert forced["kv_outside_vmm"] == [[]]
     trace = forced["trace"]
     visited = trace["levels_visited"]
     assert trace["level_changes"] >= 4 and max(visited) == 2

@@ -1,0 +1,92 @@
+"""HACK(vllm-0.26.0-private): every part of vLLM's scheduler side the plugin touches beyond
+its public surface, in one place.
+
+Written against vLLM 0.26.0; ``tests/policy/test_hacks.py`` checks each one's behaviour on
+vLLM's real ``BlockPool`` and ``KVCacheManager`` and fails if any changes.
+
+vLLM's ``BlockPool`` (``vllm/v1/core/block_pool.py``) is built for a fixed capacity. The
+elastic pool (:mod:`.block_pool`) keeps blocks out of circulation by editing it in place:
+
+1. ``KVCacheBlock.prev_free_block``: set while a block sits in the free list (the list is
+   intrusive); the only O(1) way to ask whether a block is free.
+2. ``BlockPool.free_block_queue`` (``FreeKVCacheBlockQueue``): ``remove`` (O(1)) takes a
+   block out of circulation, ``prepend_n`` puts blocks back at the head, so they are handed
+   out first.
+3. ``BlockPool.num_gpu_blocks``: the capacity ``get_usage()`` divides by; the plugin keeps
+   it equal to the blocks in circulation.
+4. ``BlockPool.free_blocks``: replaced *on the instance* by a wrapper that runs the original
+   and then takes the freed blocks of a draining group out at once, before vLLM could hand
+   them out again within the same ``schedule()``.
+5. ``BlockPool.evict_blocks(block_ids)``: drops the blocks' prefix-cache hashes, so no hit
+   points at a block out of circulation.
+6. ``BlockPool.cached_block_hash_to_block._cache``: the prefix map's storage (a block or a
+   ``{block_id: block}`` dict per hash), read by the invariant checks only.
+7. ``Scheduler.skipped_waiting``: the requests a schedule skipped (beside ``waiting``),
+   counted as pressure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+VLLM_VERSION = "0.26.0"
+
+FreeBlocks = Callable[[Iterable[KVCacheBlock]], None]
+
+
+def in_free_list(block: KVCacheBlock) -> bool:
+    """Whether ``block`` sits in its pool's free list (1)."""
+    return block.prev_free_block is not None
+
+
+def remove_from_free_list(pool: BlockPool, block: KVCacheBlock) -> None:
+    """Take a free block out of circulation (2)."""
+    pool.free_block_queue.remove(block)
+
+
+def prepend_to_free_list(pool: BlockPool, blocks: list[KVCacheBlock]) -> None:
+    """Put blocks back into circulation, at the head of the free list (2)."""
+    pool.free_block_queue.prepend_n(blocks)
+
+
+def free_list(pool: BlockPool) -> tuple[list[KVCacheBlock], int]:
+    """The free list's blocks and its own count of them (2)."""
+    queue = pool.free_block_queue
+    return queue.get_all_free_blocks(), queue.num_free_blocks
+
+
+def capacity(pool: BlockPool) -> int:
+    """Blocks the pool counts as its capacity, the null block included (3)."""
+    return int(pool.num_gpu_blocks)
+
+
+def set_capacity(pool: BlockPool, num_blocks: int) -> None:
+    """Make ``get_usage()`` measure against ``num_blocks`` (3)."""
+    pool.num_gpu_blocks = num_blocks
+
+
+def wrap_free_blocks(pool: BlockPool, wrap: Callable[[FreeBlocks], FreeBlocks]) -> None:
+    """Replace this pool's ``free_blocks`` by ``wrap(original)`` (4)."""
+    pool.free_blocks = wrap(pool.free_blocks)  # type: ignore[method-assign, assignment]
+
+
+def evict_prefix_hashes(pool: BlockPool, block_ids: Iterable[int]) -> None:
+    """Drop the prefix-cache hashes of ``block_ids`` (5)."""
+    pool.evict_blocks(set(block_ids))
+
+
+def prefix_cached_blocks(pool: BlockPool) -> list[KVCacheBlock]:
+    """Every block the prefix-cache map points at (6)."""
+    out: list[KVCacheBlock] = []
+    for value in pool.cached_block_hash_to_block._cache.values():
+        out.extend(value.values() if isinstance(value, dict) else [value])
+    return out
+
+
+def num_waiting(scheduler: Any) -> int:
+    """Requests the last schedule left waiting, skipped ones included (7)."""
+    return len(scheduler.waiting) + len(scheduler.skipped_waiting)

@@ -15,6 +15,11 @@ where vLLM put them, resident and never offloaded: packed, they would spill the 
 whole pages into one more page per layer (2 MiB x 64 layers of Qwen3-32B that the KV cache
 would lose), and a page of theirs buys no KV.
 
+Packing needs one layer's worth of GPU memory beyond the weights, not twice the decoder: on
+CUDA each layer's old storage goes back to the driver (``torch.cuda.empty_cache``) as soon as
+its parameters point into the range, before the next layer's pages are created. The peak of
+torch-reserved plus VMM bytes over the packing is kept in ``peak_bytes``.
+
 Every offloadable layer keeps a pinned CPU copy (2 layers per level: the seed's "two bytes
 of pinned memory per byte reclaimed"), pinned with ``cudaHostRegister`` so host memory is
 the weight bytes, not a power-of-two rounding of them.
@@ -110,6 +115,7 @@ class WeightPlacement:
         self.max_level = max_level
         self.level = 0
         self.last_copy_ms = 0.0  # time the last lower_level spent restoring layers
+        self.peak_bytes = 0  # torch-reserved + VMM bytes at their highest while packing (CUDA)
         self.packs = [self._pack(i, layer) for i, layer in enumerate(layers)]
         for pack in self.packs:
             i = pair_index(pack.index, self.num_layers)
@@ -137,6 +143,10 @@ class WeightPlacement:
             view.copy_(param.data)
             param.data = view  # same Parameter object, fixed address from now on
         flat = vrange.tensor(torch.uint8, (nbytes,))
+        if flat.is_cuda:
+            reserved = torch.cuda.memory_reserved(flat.device)
+            self.peak_bytes = max(self.peak_bytes, reserved + self.arena.stats().bytes_allocated)
+            torch.cuda.empty_cache()  # the old storage back to the driver, before the next layer
         return LayerPack(index, nbytes, vrange, pages, flat)
 
     def offloadable(self) -> dict[int, LayerPack]:

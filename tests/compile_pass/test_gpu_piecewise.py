@@ -120,3 +120,19 @@ def test_full_graphs_with_captured_copies_match_level_zero(rig) -> None:
         assert engine.copies == copies  # replays issue no Python-side copies: they are in the graph
         del full
     set_level(0)
+
+
+def test_packing_needs_one_layer_beyond_the_weights_not_twice_the_decoder() -> None:
+    """Item 7 of the hardening issue: each layer's old storage goes back to the driver as
+    soon as it is packed, so torch-reserved plus VMM bytes never exceed the weights by more
+    than one layer (and the driver's rounding)."""
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    with torch.device("cuda"):
+        model = ToyDecoder(N, DIM, HIDDEN).to(torch.bfloat16).requires_grad_(False)
+    weights = torch.cuda.memory_reserved() - base
+    arena = VmmArena("cuda")
+    placement = WeightPlacement(arena, model.layers, max_level=0)
+    layer = placement.pages_per_layer * arena.page_size
+    assert placement.peak_bytes - base <= weights + layer + (64 << 20)
+    assert placement.peak_bytes - base < 1.5 * weights  # the old way held both copies: 2x

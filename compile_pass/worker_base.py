@@ -270,13 +270,16 @@ class DynamicOffloadMixin:
         runtime.install(rt)
         logger.info(
             "dynamic offload: %d decoder layers of %.1f MiB packed into VMM (%s backend), "
-            "max level %d, %d layers pinned on the host (%.1f s)",
+            "max level %d, %d layers pinned on the host (%.1f s%s)",
             len(layers),
             placement.layer_bytes / 2**20,
             arena.backend,
             max_level,
             len(packs),
             placed_s,
+            f"; GPU memory peaked at {placement.peak_bytes / 2**30:.1f} GiB while packing"
+            if placement.peak_bytes
+            else "",
         )
         return _State(config, arena, placement, engine, rt)
 

@@ -4,16 +4,20 @@
         --out $OUT/e2e_correctness_h200.json [--phase identity|live]
 
 ``identity`` runs engines over the same requests (ShareGPT-like lengths, greedy, dummy
-weights): ``stock`` vLLM (its defaults, FULL_AND_PIECEWISE), ``partition`` (stock with the
+weights made distinct per layer by :func:`bench.weights.distinct_weights` unless ``--weights
+dummy``): ``stock`` vLLM (its defaults, FULL_AND_PIECEWISE), ``partition`` (stock with the
 partition route's Inductor partitioning but no pass), ``split`` (stock with the split route:
-the ops inserted and split at, but no plugin, so they do nothing), ``k0`` (the plugin
-held at k = 0, no trace) and ``forced`` (the plugin under a schedule 0 -> max -> 0 while the
-requests decode). Every engine sees the same first batch on a cold prefix cache; KV capacity
-is ample at every level, so all engines schedule the same batches. It reports token identity
-between them, the k = 0 throughput ratio (best of ``--repeats`` batches, distinct prompts
-each, after a warm-up) and the decode step time at batch ``--decode-batch`` (median of 3).
-Engines can be split over several calls on one warm machine (``--engines``): each engine's
-result stays in ``/tmp/dynoff-e2e-correctness`` and every call reports on all found there.
+the ops inserted and split at, but no plugin, so they do nothing), ``k0`` (the plugin held
+at k = 0, no trace), ``forced`` (the plugin under a schedule 0 -> max -> 0 while the
+requests decode) and ``forced-wrong`` (the negative control: ``forced`` with every offloaded
+layer copied in with its partner's weights, :func:`bench.weights.wrong_partner`; it must
+differ from stock, or the identity check could not see a wrong layer). Every engine sees the
+same first batch on a cold prefix cache; KV capacity is ample at every level, so all engines
+schedule the same batches. It reports token identity between them, the k = 0 throughput
+ratio (best of ``--repeats`` batches, distinct prompts each, after a warm-up) and the decode
+step time at batch ``--decode-batch`` (median of 3). Engines can be split over several calls
+on one warm machine (``--engines``): each engine's result stays in
+``/tmp/dynoff-e2e-correctness`` and every call reports on all found there.
 
 ``live`` runs the plugin's policy with a small KV budget under a burst, then a light tail:
 the level should climb under pressure and come back down.
@@ -68,6 +72,10 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
         compilation_config={"cudagraph_capture_sizes": CAPTURE},
         disable_log_stats=True,
     )
+    if args.weights == "distinct" or mode == "forced-wrong":
+        from bench.weights import EXTENSION
+
+        kwargs["worker_extension_cls"] = EXTENSION
     if mode == "stock":
         return kwargs
     from dynoff.compile_pass.config import dynoff_compilation_config
@@ -83,7 +91,7 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
     offload: dict[str, Any] = {"trace_path": trace}
     if mode == "k0":  # as served: no trace (the one at k = 0 would only say "0")
         offload = {"level_schedule": [[0, 0]]}
-    elif mode == "forced":
+    elif mode in ("forced", "forced-wrong"):
         offload["level_schedule"] = forced_schedule(args.max_level)
         offload["policy"] = {"max_level": args.max_level}
     else:  # live
@@ -113,6 +121,10 @@ def run_engine(mode: str, model: str, out: Path, trace: Path, args: argparse.Nam
     start = time.time()
     llm = LLM(**engine_kwargs(mode, model, str(trace), args))
     result: dict[str, Any] = {"mode": mode, "startup_s": round(time.time() - start, 1)}
+    if args.weights == "distinct":
+        result["weights_redrawn"] = llm.collective_rpc("dynoff_distinct_weights")
+    if mode == "forced-wrong":
+        llm.collective_rpc("dynoff_wrong_partner")
 
     def generate(batch: list[tuple[list[int], int]]) -> tuple[float, list[list[int]]]:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in batch]
@@ -131,7 +143,7 @@ def run_engine(mode: str, model: str, out: Path, trace: Path, args: argparse.Nam
         elapsed, outputs = generate(burst)
         _, tail = generate([(ids[:64], 400) for ids, _ in requests[:2]])
         result.update(burst_s=elapsed, outputs=outputs + tail)
-    elif mode == "forced":
+    elif mode in ("forced", "forced-wrong"):
         elapsed, outputs = generate(requests)  # first: the schedule counts engine steps
         result.update(seconds=[elapsed], outputs=outputs)
     else:
@@ -170,7 +182,7 @@ def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dic
     any other ``<mode>_2`` is compared with its first run and with stock."""
     pairs = [("forced", "k0"), ("k0", "stock"), ("forced", "stock"), ("partition", "stock")]
     pairs += [("k0", "partition"), ("stock_2", "stock"), ("k0", "stock_2")]
-    pairs += [("split", "stock"), ("k0", "split")]
+    pairs += [("split", "stock"), ("k0", "split"), ("forced-wrong", "stock")]
     for second in [m for m in outputs if m.endswith("_2") and m != "stock_2"]:  # --combine
         pairs += [(second, second[:-2]), (second, "stock")]
     report: dict[str, Any] = {
@@ -187,6 +199,8 @@ def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dic
         report["requests"] = len(outputs["stock"])
         if "forced" in outputs:
             report["token_identical"] = outputs["forced"] == outputs["stock"]
+        if "forced-wrong" in outputs:  # the negative control must be seen to differ
+            report["negative_control_detected"] = outputs["forced-wrong"] != outputs["stock"]
     if "stock" in engines and "k0" in engines and "seconds" in engines["k0"]:
         stock_s, k0_s = min(engines["stock"]["seconds"]), min(engines["k0"]["seconds"])
         report["k0_throughput_ratio"] = round(stock_s / k0_s, 4)
@@ -245,6 +259,13 @@ def main() -> None:
         help="the plugin engines' kv_layout (default: the plugin's own, auto; packed: large "
         "pages, vLLM's packed KV layout)",
     )
+    parser.add_argument(
+        "--weights",
+        choices=["distinct", "dummy"],
+        default="distinct",
+        help="distinct: each decoder layer's matrices redrawn, distinct and O(1/sqrt(fan-in)) "
+        "(bench.weights); dummy: vLLM's own, identical in every layer",
+    )
     parser.add_argument("--workdir", default="/tmp/dynoff-e2e-correctness")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--live-memory-utilization", type=float, default=0.2)
@@ -273,6 +294,7 @@ def main() -> None:
         "model": args.model,
         "route": args.route,
         "kv_layout": args.kv_layout,
+        "weights": args.weights,
         "engines": {},
     }
     for mode in args.engines or modes:

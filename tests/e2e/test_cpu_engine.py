@@ -2,8 +2,10 @@
 greedy sampling), one engine per subprocess.
 
 * Forced level schedule (0 -> 2 -> 1 -> 2 -> 0 while decoding): outputs token-identical to
-  the same engine without offloading. The 6 requests fit level 0's KV capacity, so both
-  engines schedule identical batches and any difference would come from the weights.
+  the same engine without offloading; the same schedule with every offloaded layer copied in
+  with its partner's weights (the negative control) is not. The 6 requests fit level 0's KV
+  capacity, so both engines schedule identical batches and any difference would come from
+  the weights.
 * Tensor parallelism (2 ranks): the same forced schedule, token-identical to a TP = 2
   engine without offloading.
 * Live policy under a burst then a light tail: every request completes, the level climbs
@@ -51,6 +53,11 @@ def test_forced_levels_are_token_identical_to_no_offload(model: str, tmp_path: P
     forced = run_engine("forced", model, tmp_path)
     assert len(forced["outputs"]) == 6 and all(len(o) == 24 for o in forced["outputs"])
     assert forced["outputs"] == reference["outputs"]
+    # The negative control: the same schedule with each offloaded layer copied in with its
+    # partner's weights must change the outputs, or this comparison could not see a wrong
+    # layer (the weights here are distinct per layer, unlike vLLM's dummy ones).
+    wrong = run_engine("forced-wrong", model, tmp_path)
+    assert wrong["outputs"] != reference["outputs"]
     # The KV allocation hook took effect in the real engine: every attention layer's bound
     # KV cache (what its forward reads) lies inside the plugin's VMM ranges.
     assert forced["kv_outside_vmm"] == [[]]

@@ -3,10 +3,13 @@ machine after the staging calls (``../shared/gpu/README.md``):
 
     source /tmp/site/env.sh && python3 -m pytest -m gpu tests/e2e/test_gpu_engine.py
 
-Three engines over the same 256 requests (``bench.gpu.e2e_correctness``, one process each):
-stock vLLM with its default graph mode, the plugin held at k = 0, and the plugin forced
+Four engines over the same 256 requests (``bench.gpu.e2e_correctness``, one process each,
+every decoder layer's weights redrawn distinct by ``bench.weights.distinct_weights``):
+stock vLLM with its default graph mode, the plugin held at k = 0, the plugin forced
 0 -> 18 -> 0 while the requests decode (the steps at k > 0 steered to the piecewise
-graphs). Asserts token identity with stock and the level round trip. The k = 0 throughput
+graphs), and the same with each offloaded layer copied in with its partner's weights (the
+negative control). Asserts token identity with stock, that the control differs, and the
+level round trip. The k = 0 throughput
 ratio is a benchmark figure (``bash bench/gpu/e2e_correctness.sh identity``), not asserted
 here.
 """
@@ -34,7 +37,8 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("e2e")
     out = tmp / "e2e.json"
     cmd = [sys.executable, "-m", "bench.gpu.e2e_correctness", "--model", str(MODEL)]
-    cmd += ["--out", str(out), "--engines", "stock", "k0", "forced", "--repeats", "1"]
+    cmd += ["--out", str(out), "--engines", "stock", "k0", "forced", "forced-wrong"]
+    cmd += ["--repeats", "1"]
     cmd += ["--max-level", str(MAX_LEVEL), "--workdir", str(tmp / "work")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -50,6 +54,14 @@ def test_tokens_identical_to_stock(report: dict) -> None:
     for pair in ("k0_vs_stock", "forced_vs_stock", "forced_vs_k0"):
         assert identity[pair]["identical"], (pair, identity[pair])
     assert report["token_identical"]
+
+
+def test_the_identity_check_sees_a_layer_on_its_partners_weights(report: dict) -> None:
+    """The negative control: with weights distinct per layer (``bench.weights``; vLLM's
+    dummy weights are the same in every layer), the forced schedule with each offloaded
+    layer copied in with its partner's weights must differ from stock."""
+    assert report["weights"] == "distinct"
+    assert report["negative_control_detected"], report["identity"]["forced-wrong_vs_stock"]
 
 
 def test_levels_round_trip_under_load(report: dict) -> None:

@@ -66,8 +66,14 @@ def route_kv_allocation(
     model_runner._allocate_kv_cache_tensors = allocate
 
 
-def steer_cudagraph_dispatch(dispatcher: Any, piecewise: Callable[[], bool]) -> None:
-    """Route steps to the piecewise graphs while ``piecewise()`` (this dispatcher only)."""
+Observe = Callable[[bool, bool], None]  # (piecewise needed, FULL dispatched)
+
+
+def steer_cudagraph_dispatch(
+    dispatcher: Any, piecewise: Callable[[], bool], observe: Observe | None = None
+) -> None:
+    """Route steps to the piecewise graphs while ``piecewise()`` (this dispatcher only);
+    ``observe`` sees every dispatch (the runtime counts any FULL one that slips through)."""
     from vllm.config import CUDAGraphMode
 
     original = dispatcher.dispatch
@@ -80,11 +86,15 @@ def steer_cudagraph_dispatch(dispatcher: Any, piecewise: Callable[[], bool]) -> 
         valid_modes: Any = None,
         invalid_modes: Any = None,
     ) -> Any:
-        if piecewise():
+        needed = piecewise()
+        if needed:
             invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
-        return original(
+        result = original(
             num_tokens, uniform_decode, has_lora, num_active_loras, valid_modes, invalid_modes
         )
+        if observe is not None:
+            observe(needed, result[0] == CUDAGraphMode.FULL)
+        return result
 
     dispatcher.dispatch = dispatch
 
@@ -109,8 +119,11 @@ def kv_allocation_v2(allocate: Callable[[Any], dict[str, torch.Tensor]]) -> Iter
         attn_utils._allocate_kv_cache = original
 
 
-def steer_cudagraph_manager(manager: Any, piecewise: Callable[[], bool]) -> None:
-    """V2 runner: while ``piecewise()``, never pick a FULL graph (this manager only)."""
+def steer_cudagraph_manager(
+    manager: Any, piecewise: Callable[[], bool], observe: Observe | None = None
+) -> None:
+    """V2 runner: while ``piecewise()``, never pick a FULL graph (this manager only);
+    ``observe`` sees every dispatch."""
     from vllm.config import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor, _is_compatible
 
@@ -119,8 +132,21 @@ def steer_cudagraph_manager(manager: Any, piecewise: Callable[[], bool]) -> None
     def dispatch(
         num_reqs: int, num_tokens: int, uniform_token_count: int | None, num_active_loras: int
     ) -> Any:
+        needed = piecewise()
+        desc = steered(num_reqs, num_tokens, uniform_token_count, num_active_loras, needed)
+        if observe is not None:
+            observe(needed, desc.cg_mode == CUDAGraphMode.FULL)
+        return desc
+
+    def steered(
+        num_reqs: int,
+        num_tokens: int,
+        uniform_token_count: int | None,
+        num_active_loras: int,
+        needed: bool,
+    ) -> Any:
         desc = original(num_reqs, num_tokens, uniform_token_count, num_active_loras)
-        if desc.cg_mode != CUDAGraphMode.FULL or not piecewise():
+        if desc.cg_mode != CUDAGraphMode.FULL or not needed:
             return desc
         loras = desc.num_active_loras
         for candidate in manager._candidates.get((num_tokens, loras), ()):

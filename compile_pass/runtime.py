@@ -34,6 +34,14 @@ class OffloadRuntime:
         # Every layer whose op ran at least once, offloaded or not: proof that the compiled
         # model holds the ops (a cached graph skips the pass, so its log is no proof).
         self.seen: dict[str, set[int]] = {"wait": set(), "prefetch": set()}
+        # Graph dispatches while the ops had to run: piecewise, and FULL (a bug: the
+        # guard the GPU end-to-end test reads through ``dynoff_dispatches``).
+        self.dispatches = {"piecewise_needed": 0, "full_while_needed": 0}
+
+    def observe_dispatch(self, needed: bool, full: bool) -> None:
+        if needed:
+            self.dispatches["piecewise_needed"] += 1
+            self.dispatches["full_while_needed"] += int(full)
 
     def set_level(self, level: int) -> None:
         """Depth ``level`` from the next op on; the engine's ledger follows the pairs the

@@ -379,11 +379,13 @@ class DynamicOffloadMixin:
             with hacks.kv_allocation_v2(lambda _config: kv.tensors()):
                 super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
             if runner.cudagraph_manager is not None:  # created by initialize_kv_cache
-                hacks.steer_cudagraph_manager(runner.cudagraph_manager, piecewise)
+                hacks.steer_cudagraph_manager(
+                    runner.cudagraph_manager, piecewise, runtime_.observe_dispatch
+                )
             return
         dispatcher = getattr(runner, "cudagraph_dispatcher", None)
         if dispatcher is not None and not current_platform.is_cpu():
-            hacks.steer_cudagraph_dispatch(dispatcher, piecewise)
+            hacks.steer_cudagraph_dispatch(dispatcher, piecewise, runtime_.observe_dispatch)
         hacks.route_kv_allocation(runner, lambda _config: kv.tensors())
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
 
@@ -560,6 +562,11 @@ class DynamicOffloadMixin:
                 if not any(lo <= start and end <= hi for lo, hi in spans):
                     outside.append(name)
         return outside
+
+    def dynoff_dispatches(self) -> dict[str, int]:
+        """HACK guard, in the real engine: graph dispatches while the ops had to run, and how
+        many of them still went to a FULL graph (which would skip the ops: must be 0)."""
+        return dict(self._dynoff.runtime.dispatches)
 
     def dynoff_force_piecewise(self, on: bool) -> None:
         """Benchmarks: run the piecewise graphs at k = 0 too (the path every k > 0 takes)."""

@@ -122,11 +122,13 @@ def test_v2_dispatch_signature_and_steering() -> None:
     # FULL_AND_PIECEWISE: a size's candidates are its FULL decode graph, then its piecewise one.
     manager = _v2_manager({(n, 0): [full, pw] for n in range(1, 9)})
     level = [0]
-    hacks.steer_cudagraph_manager(manager, lambda: level[0] > 0)
+    seen: list[tuple[bool, bool]] = []
+    hacks.steer_cudagraph_manager(manager, lambda: level[0] > 0, lambda *s: seen.append(s))
     assert manager.dispatch(6, 6, 1, 0) == full  # type: ignore[attr-defined]  # k = 0: FULL
     assert manager.dispatch(2, 6, None, 0) == pw  # type: ignore[attr-defined]  # a mixed step
     level[0] = 1
     assert manager.dispatch(6, 6, 1, 0) == pw  # type: ignore[attr-defined]  # k > 0: piecewise
+    assert seen == [(False, True), (False, False), (True, False)]  # what the runtime counts
     # FULL-only candidates (no piecewise graph of that size): run compiled, without graphs.
     only_full = _v2_manager({(n, 0): [full] for n in range(1, 9)})
     hacks.steer_cudagraph_manager(only_full, lambda: True)

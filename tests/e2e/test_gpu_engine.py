@@ -64,6 +64,14 @@ def test_the_identity_check_sees_a_layer_on_its_partners_weights(report: dict) -
     assert report["negative_control_detected"], report["identity"]["forced-wrong_vs_stock"]
 
 
+def test_no_step_at_k_above_0_was_dispatched_to_a_full_graph(report: dict) -> None:
+    """The graph-dispatch hook, checked in the real engine (V2's CudaGraphManager): every
+    step that needed the ops (k > 0, or a restore copy in flight) ran piecewise."""
+    (dispatches,) = report["engines"]["forced"]["dispatches"]
+    assert dispatches["piecewise_needed"] > 0
+    assert dispatches["full_while_needed"] == 0
+
+
 def test_levels_round_trip_under_load(report: dict) -> None:
     assert report["max_level_reached"] == MAX_LEVEL
     assert report["levels_visited"][0] == 0 and report["levels_visited"][-1] == 0

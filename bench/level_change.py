@@ -18,15 +18,23 @@ from the server's ``plan`` event. Runs are grouped by model and KV layout (``per
 says whether both medians meet the level-change issue's goal (stall <= 20 ms, driver <= 10
 ms per change).
 
-``schedule`` prints a ``level_schedule`` that forces changes up and down under load:
+``schedule`` prints a ``level_schedule`` that forces changes up and down under load, and
+``soak`` one that hops across levels at random (one level per change, as the controller
+moves), for the soak of the hardening issue:
 
     python -m bench.level_change schedule --start 300 --every 40 --cycles 24
+    python -m bench.level_change soak --start 300 --every 12 --changes 1000 --level 4
+
+``--soak-report RUN.json`` turns a soak run of ``bench.serve_bench`` into
+``bench/results/soak_h200.json`` (level changes, failed requests, resize failures and how
+many of them the server recovered from).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 from typing import Any
 
@@ -40,6 +48,43 @@ def forced_schedule(start: int, every: int, cycles: int, level: int = 1) -> list
         schedule.append([start + 2 * n * every, level])
         schedule.append([start + (2 * n + 1) * every, 0])
     return schedule
+
+
+def soak_schedule(start: int, every: int, changes: int, top: int, seed: int = 0) -> list[list[int]]:
+    """``changes`` moves of one level, every ``every`` steps, a random walk over 0..``top``
+    (seeded): each entry is one change for the controller."""
+    rng = random.Random(seed)
+    level, schedule = 0, []
+    for n in range(changes):
+        if level == 0:
+            level = 1
+        elif level == top:
+            level = top - 1
+        else:
+            level += rng.choice((-1, 1))
+        schedule.append([start + n * every, level])
+    return schedule
+
+
+def soak_report(path: str) -> dict[str, Any]:
+    """The soak's acceptance figures from one ``bench.serve_bench`` run."""
+    run = read_results(path)
+    plugin = run.get("plugin") or {}
+    client = run.get("client") or {}
+    failures = int(plugin.get("resize_failures", 0))
+    failed = int(client.get("failed", -1))
+    return {
+        "level_changes": int(plugin.get("level_changes", 0)),
+        "failed_requests": failed,
+        "completed_requests": int(client.get("completed", 0)),
+        "resize_failures": failures,
+        # A failed resize leaves the server at its old level, serving on; the run finished
+        # its trace with no failed request, so every failure was recovered from.
+        "recovered": failures if failed == 0 else None,
+        "levels_visited": sorted(set(plugin.get("levels_visited", []))),
+        "command": run.get("command"),
+        "machine": run.get("machine"),
+    }
 
 
 def _stats(values: list[float]) -> dict[str, float] | None:
@@ -110,9 +155,19 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=40, help="schedule: steps between changes")
     parser.add_argument("--cycles", type=int, default=24, help="schedule: round trips")
     parser.add_argument("--level", type=int, default=1, help="schedule: the level visited")
+    parser.add_argument("--changes", type=int, default=1000, help="soak: level changes")
+    parser.add_argument("--soak-report", default=None, help="a soak run -> --out")
     args = parser.parse_args()
     if args.runs == ["schedule"]:
         print(json.dumps(forced_schedule(args.start, args.every, args.cycles, args.level)))
+        return
+    if args.runs == ["soak"]:
+        print(json.dumps(soak_schedule(args.start, args.every, args.changes, args.level)))
+        return
+    if args.soak_report:
+        report_ = soak_report(args.soak_report)
+        write_results(args.out, report_)
+        print(json.dumps({k: v for k, v in report_.items() if k != "machine"}))
         return
     if not args.runs:
         parser.error("give the serve_bench runs to report on (or: schedule)")

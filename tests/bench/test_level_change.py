@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -82,3 +83,33 @@ def test_a_restore_wait_after_a_change_down_counts_in_its_stall() -> None:
     up, down = change_stalls(events)
     assert up["stall_ms"] == 5.0 and "restore_wait_ms" not in up
     assert down["stall_ms"] == 10.0 and down["restore_wait_ms"] == 3.0
+
+
+def test_the_soak_hops_one_level_per_change_within_bounds() -> None:
+    from bench.level_change import soak_schedule
+
+    schedule = soak_schedule(start=300, every=12, changes=1000, top=4)
+    levels = [0] + [level for _, level in schedule]
+    assert len(schedule) == 1000 and [s for s, _ in schedule][:2] == [300, 312]
+    assert all(abs(b - a) == 1 for a, b in itertools.pairwise(levels))
+    assert set(levels) == {0, 1, 2, 3, 4}
+    assert soak_schedule(300, 12, 1000, 4) == schedule  # seeded: the same every run
+
+
+def test_the_soak_report_counts_what_the_acceptance_asks(tmp_path: Path) -> None:
+    from bench.level_change import soak_report
+
+    run = {
+        "command": "bash bench/gpu/soak.sh qwen3-8b",
+        "client": {"completed": 2900, "failed": 0},
+        "plugin": {"level_changes": 1004, "resize_failures": 2, "levels_visited": [0, 1, 2, 1]},
+    }
+    path = tmp_path / "soak.json"
+    path.write_text(json.dumps(run))
+    report_ = soak_report(str(path))
+    assert report_["level_changes"] == 1004 and report_["failed_requests"] == 0
+    assert report_["resize_failures"] == 2 and report_["recovered"] == 2
+    assert report_["levels_visited"] == [0, 1, 2]
+    run["client"]["failed"] = 3
+    path.write_text(json.dumps(run))
+    assert soak_report(str(path))["recovered"] is None  # not claimed when requests failed

@@ -37,8 +37,13 @@ DECODE_BATCHES = (8, 64, 256)
 REPEATS = 5
 
 
-def link(sources: dict[int, torch.Tensor], regions: dict[int, torch.Tensor]) -> float:
-    """Bytes per second of one layer's host-to-device copy (best of ``REPEATS``)."""
+def link(
+    sources: dict[int, torch.Tensor],
+    regions: dict[int, torch.Tensor],
+    copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> float:
+    """Bytes per second of one layer's copy from its home (best of ``REPEATS``), through
+    ``copy`` (the prefetch engine's, paced where the home is an emulated link)."""
     layer = next(iter(sources))
     src, dst = sources[layer], regions[layer]
     if dst.device.type == "cpu":
@@ -47,7 +52,10 @@ def link(sources: dict[int, torch.Tensor], regions: dict[int, torch.Tensor]) -> 
     for _ in range(REPEATS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        dst.copy_(src, non_blocking=True)
+        if copy is None:
+            dst.copy_(src, non_blocking=True)
+        else:
+            copy(dst, src)
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
@@ -143,7 +151,9 @@ def calibrate(
     """Measure this machine (see the module docstring). ``run_decode`` is None where there
     are no CUDA graphs (vLLM's CPU engine): there is no piecewise penalty to measure."""
     engine = levels.engine
-    bandwidth = link(engine.sources, engine.destinations) if engine.sources else 0.0
+    bandwidth = (
+        link(engine.sources, engine.destinations, engine.copy_bytes) if engine.sources else 0.0
+    )
     layer_bytes = levels.placement.layer_bytes
     rows: list[tuple[int, float, float]] = []
     batches: list[int] = []

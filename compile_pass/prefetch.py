@@ -31,7 +31,8 @@ class PrefetchEngine:
     """Moves layers from pinned host memory into their GPU regions.
 
     Args:
-        sources: layer -> flat ``uint8`` pinned CPU tensor holding the layer's weights.
+        sources: layer -> flat ``uint8`` tensor holding the layer's weights in its home
+            (:mod:`.homes`: pinned host memory, or device memory in the fast-link emulation).
         destinations: layer -> flat ``uint8`` tensor over the layer's (fixed-address) range.
     """
 
@@ -60,6 +61,7 @@ class PrefetchEngine:
             self.copy_stream = torch.cuda.Stream(device)
             self._region_free = {layer: torch.cuda.Event() for layer in sources}
             self._copied = {layer: torch.cuda.Event() for layer in sources}
+        self.pacer: Any = None  # a :class:`~.homes.Pacer` paces every copy (the emulation)
         # Optional: (start, end) events around every copy, for the bandwidth benchmark.
         self.timing = timing and self.on_cuda
         self.timings: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
@@ -115,12 +117,20 @@ class PrefetchEngine:
             if timed:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
                 start.record(self.copy_stream)
-            dst.copy_(src, non_blocking=True)
+            self.copy_bytes(dst, src)
             if timed:
                 end.record(self.copy_stream)
                 self.timings.append((src.numel(), start, end))
         self._copied[layer].record(self.copy_stream)
         self.pending.add(layer)
+
+    def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One copy from a home into a region, on the current stream: paced when a pacer is
+        installed (the device home's emulated link), else one asynchronous copy."""
+        if self.pacer is not None:
+            self.pacer.copy(dst, src)
+        else:
+            dst.copy_(src, non_blocking=True)
 
     def restore(self, layer: int) -> None:
         """Copy ``layer`` back into its own pages after a lowering, on the copy stream: the

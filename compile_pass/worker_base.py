@@ -33,7 +33,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, M
 
 from dynoff.allocator import VmmArena
 from dynoff.allocator.kv_cache import VmmKVCache
-from dynoff.compile_pass import calibrate, hacks, runtime
+from dynoff.compile_pass import calibrate, hacks, homes, runtime
 from dynoff.compile_pass.config import Route, compile_route
 from dynoff.compile_pass.fx_pass import LAYER_PREFETCH_PASS
 from dynoff.compile_pass.levels import LevelChanger, gather_outcomes
@@ -394,6 +394,8 @@ class DynamicOffloadMixin:
         ``execute_model``, and those dummy steps are not the scheduler's."""
         result = super().compile_or_warm_up_model()  # type: ignore[misc]
         state = self._dynoff
+        if state.config.home == "device":
+            self._move_homes_to_device()
         state.step = -1
         state.outcomes.clear()
         state.timer = StepTimer(cuda=not current_platform.is_cpu())
@@ -423,6 +425,35 @@ class DynamicOffloadMixin:
         gathered: list[PlanReport | None] = [None] * world
         dist.all_gather_object(gathered, mine, group=get_world_group().cpu_group)
         return tuple(p for p in gathered if p is not None)
+
+    def _move_homes_to_device(self) -> None:
+        """The fast-link emulation (:mod:`.homes`): the offloaded layers' homes move from
+        pinned host memory into GPU memory beyond vLLM's budget, now that the KV cache and
+        the graphs have what the budget gave them; copies are paced to ``home_GBps``."""
+        state = self._dynoff
+        config, placement, engine = state.config, state.placement, state.engine
+        if current_platform.is_cpu():
+            raise homes.HomeError('home "device" needs a GPU; use "host" on the CPU engine')
+        free, total = torch.cuda.mem_get_info()
+        budget = self.vllm_config.cache_config.gpu_memory_utilization  # type: ignore[attr-defined]
+        beyond = max(0, min(free, int(total * (1 - budget))) - homes.HOME_MARGIN)
+        homes.check_device_home(placement.max_level, placement.layer_bytes, beyond)
+        moved = homes.move_homes_to_device(
+            engine.sources, torch.cuda.current_device(), placement.offloadable()
+        )
+        paced = "unpaced"
+        if config.home_GBps is not None and engine.sources:
+            engine.pacer = homes.Pacer(config.home_GBps)
+            engine.pacer.calibrate(next(iter(engine.sources.values())))
+            paced = engine.pacer.describe()
+        logger.info(
+            "dynamic offload: EMULATION of a fast link: %d layers' homes (%.1f GiB) in GPU "
+            "memory beyond gpu_memory_utilization=%.2f instead of pinned host memory, copies %s",
+            len(engine.sources),
+            moved / 2**30,
+            budget,
+            paced,
+        )
 
     def _check_ops_ran(self) -> None:
         """Refuse k > 0 unless the compiled model really runs the ops: warm-up, capture and

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from dynoff.policy.geometry import GRANULE
 
+HOMES = ("host", "device")  # dynoff.compile_pass.homes
+
 Estimator = Literal["measured", "model"]
 Proxy = Literal["decode", "model"]
 Rule = Literal["priced", "seed"]
@@ -218,6 +220,13 @@ class DynamicOffloadConfig:
             ``model`` estimator. Unset (default): measured at start-up.
         measure_transfers: time every prefetch copy with CUDA events (benchmarks; read with
             ``LLM.collective_rpc("dynoff_stats")``). Off in serving: it adds two events per copy.
+        home: where offloaded layers live between uses (:mod:`dynoff.compile_pass.homes`):
+            ``"host"`` (default), pinned host memory; ``"device"``, GPU memory beyond
+            ``gpu_memory_utilization``, an **emulation** of a fast CPU-GPU link on one GPU
+            (benchmarks of the fast-link issue); it needs an explicit ``policy.max_level``,
+            since the homes (two layers a level) must fit beyond the budget.
+        home_GBps: pace every copy from a ``"device"`` home to this bandwidth (the emulated
+            link: 390 for a GH200's NVLink-C2C); unset, the copies run at device speed.
     """
 
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
@@ -230,6 +239,8 @@ class DynamicOffloadConfig:
     h2d_GBps: float | None = None
     piecewise_penalty_ms: float | None = None
     measure_transfers: bool = False
+    home: str = "host"
+    home_GBps: float | None = None
 
     KEY = "dynamic_offload"
 
@@ -248,6 +259,19 @@ class DynamicOffloadConfig:
             )
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={self.kv_layout!r}: use one of {KV_LAYOUTS}")
+        if self.home not in HOMES:
+            raise ValueError(f"home={self.home!r}: use one of {HOMES}")
+        if self.home_GBps is not None and (self.home != "device" or self.home_GBps <= 0):
+            raise ValueError(
+                f"home_GBps={self.home_GBps} paces the device home (the fast-link emulation): "
+                'set "home": "device" and a bandwidth > 0, or leave home_GBps unset'
+            )
+        if self.home == "device" and self.policy.max_level is None:
+            raise ValueError(
+                'home "device" keeps two layers a level in GPU memory beyond '
+                "gpu_memory_utilization, so the highest level must be chosen: set "
+                '"policy": {"max_level": K} (the worker says which K fits if it does not)'
+            )
         if self.host_page_size <= 0 or self.host_page_size % 4096:
             raise ValueError(f"host_page_size={self.host_page_size} must be a multiple of 4096")
 

@@ -1,0 +1,146 @@
+"""Where an offloaded layer's bytes live between its uses: its *home*.
+
+The prefetch engine copies each offloaded layer in from its home before the layer runs, and
+a lowering restores the layer from it. Two homes:
+
+* ``"host"`` (the default): pinned host memory, copied over the CPU-GPU link (PCIe Gen5 on
+  the H200: ~55 GB/s; NVLink-C2C on a GH200: ~390 GB/s) by the copy engine.
+* ``"device"``: GPU memory outside vLLM's budget (beyond ``gpu_memory_utilization``), copied
+  device to device by the copy engine. This is an **emulation** of a fast CPU-GPU link on one
+  GPU (the fast-link issue): with ``home_GBps`` each copy is paced to that bandwidth by
+  splitting it into chunks and spinning the copy stream between them (:class:`Pacer`), so
+  the copy engine, not the SMs, moves the bytes, as a DMA link would; the spin occupies one
+  SM for its duration. The homes cost HBM the far memory would not: they bound the level
+  (two layers a level) by what lies beyond the budget.
+
+A peer GPU's memory over NVLink would be a third home: a device home on another device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+ALIGN = 256  # bytes; chunk boundaries stay aligned for the copy engine
+HOME_MARGIN = 2 << 30  # left free beyond the budget (CUDA context growth, other processes)
+SPIN_SAMPLE_CYCLES = 2_000_000
+
+
+class HomeError(ValueError):
+    """A home that cannot hold the offloaded layers here, with the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PacePlan:
+    """One layer's paced copy: ``chunks`` pieces of ``chunk_bytes``, each followed by a spin
+    of ``spin_cycles`` GPU clock cycles."""
+
+    chunk_bytes: int
+    chunks: int
+    spin_cycles: int
+
+    @classmethod
+    def for_copy(
+        cls,
+        nbytes: int,
+        target_GBps: float,
+        raw_GBps: float,
+        cycles_per_ns: float,
+        chunks: int = 32,
+    ) -> PacePlan:
+        """Chunks whose copies plus spins take ``nbytes / target_GBps`` in all, given an
+        unpaced copy at ``raw_GBps``; no spin when the target is not below the raw speed."""
+        if target_GBps <= 0 or raw_GBps <= 0 or cycles_per_ns <= 0:
+            raise ValueError("pacing needs positive bandwidths and clock")
+        chunk = -(-nbytes // chunks)
+        chunk = -(-chunk // ALIGN) * ALIGN
+        count = -(-nbytes // chunk)
+        spare_ns = max(0.0, nbytes / target_GBps - nbytes / raw_GBps)  # bytes / (GB/s) = ns
+        return cls(chunk, count, math.ceil(spare_ns / count * cycles_per_ns))
+
+
+class Pacer:
+    """Copies at a target bandwidth on the current stream (CUDA only): chunked copies with
+    ``torch.cuda._sleep`` spins between them, planned from a measured unpaced copy and the
+    measured clock (:meth:`calibrate`)."""
+
+    def __init__(self, target_GBps: float) -> None:
+        if target_GBps <= 0:
+            raise ValueError(f"home_GBps={target_GBps} must be > 0")
+        self.target_GBps = target_GBps
+        self.raw_GBps = 0.0
+        self.cycles_per_ns = 0.0
+        self._plans: dict[int, PacePlan] = {}
+
+    def calibrate(self, sample: torch.Tensor) -> None:
+        """Measure the unpaced device copy of ``sample`` and the spin's clock."""
+        scratch = torch.empty_like(sample)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        best = math.inf
+        for _ in range(3):
+            start.record()
+            scratch.copy_(sample, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) * 1e6)  # ns
+        self.raw_GBps = sample.numel() / best
+        start.record()
+        torch.cuda._sleep(SPIN_SAMPLE_CYCLES)
+        end.record()
+        end.synchronize()
+        self.cycles_per_ns = SPIN_SAMPLE_CYCLES / (start.elapsed_time(end) * 1e6)
+        del scratch
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        nbytes = src.numel()
+        plan = self._plans.get(nbytes)
+        if plan is None:
+            plan = PacePlan.for_copy(nbytes, self.target_GBps, self.raw_GBps, self.cycles_per_ns)
+            self._plans[nbytes] = plan
+        for offset in range(0, nbytes, plan.chunk_bytes):
+            end = min(nbytes, offset + plan.chunk_bytes)
+            dst[offset:end].copy_(src[offset:end], non_blocking=True)
+            if plan.spin_cycles:
+                torch.cuda._sleep(plan.spin_cycles)
+
+    def describe(self) -> str:
+        return (
+            f"paced to {self.target_GBps:.0f} GB/s (unpaced device copy {self.raw_GBps:.0f} "
+            f"GB/s, clock {self.cycles_per_ns:.2f} cycles/ns)"
+        )
+
+
+def check_device_home(max_level: int, layer_bytes: int, beyond_budget: int) -> None:
+    """Refuse a device home that does not fit beyond vLLM's budget: two layers a level."""
+    needed = 2 * max_level * layer_bytes
+    if needed > beyond_budget:
+        fits = beyond_budget // (2 * layer_bytes) if layer_bytes else 0
+        raise HomeError(
+            f'home "device" needs {needed / 2**30:.1f} GiB beyond gpu_memory_utilization for '
+            f"max_level={max_level} (two layers of {layer_bytes / 2**30:.2f} GiB a level) but "
+            f'{beyond_budget / 2**30:.1f} GiB is there: set "policy": {{"max_level": {fits}}}, '
+            "or lower --gpu-memory-utilization"
+        )
+
+
+def move_homes_to_device(
+    sources: dict[int, torch.Tensor], device: Any, packs: Mapping[int, Any]
+) -> int:
+    """Replace every layer's pinned host copy by a device copy (in place in ``sources`` and
+    on the packs); the host memory is unpinned and freed. Returns the bytes moved."""
+    moved = 0
+    cudart = torch.cuda.cudart()
+    for layer, host in list(sources.items()):
+        home = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+        home.copy_(host)
+        sources[layer] = home
+        packs[layer].cpu = home
+        if host.is_pinned():
+            cudart.cudaHostUnregister(host.data_ptr())
+        moved += host.numel()
+    torch.cuda.synchronize(device)
+    return moved

@@ -1,0 +1,40 @@
+"""The device home on the GPU (fast-link issue, item 1): layers copied in from GPU memory
+beyond the budget, paced to an emulated link's bandwidth, land exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynoff.allocator import VmmArena
+from dynoff.compile_pass import homes
+from dynoff.compile_pass.placement import WeightPlacement
+from dynoff.compile_pass.prefetch import PrefetchEngine
+from tests.compile_pass.toy_model import ToyDecoder
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("target", [200.0, 390.0])
+def test_paced_copies_from_a_device_home_reach_the_target_and_land_exactly(target) -> None:
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = ToyDecoder(4, 4096, 14336).to(torch.bfloat16).requires_grad_(False)
+    placement = WeightPlacement(VmmArena("cuda"), model.layers, max_level=2)
+    engine = PrefetchEngine.for_placement(placement, timing=True)
+    expected = {layer: src.clone() for layer, src in engine.sources.items()}
+    moved = homes.move_homes_to_device(engine.sources, "cuda", placement.offloadable())
+    assert moved == sum(t.numel() for t in expected.values())
+    assert all(src.is_cuda for src in engine.sources.values())
+    engine.pacer = homes.Pacer(target)
+    engine.pacer.calibrate(engine.sources[0])
+    assert engine.pacer.raw_GBps > 2 * target  # the device copies faster than the link
+    for _ in range(3):
+        for layer in engine.sources:
+            engine.prefetch(layer)
+            engine.wait(layer)
+    achieved = engine.achieved_bandwidth() / 1e9
+    assert abs(achieved - target) / target < 0.15, achieved
+    torch.cuda.synchronize()
+    for layer, pack in placement.offloadable().items():
+        assert torch.equal(pack.flat.cpu(), expected[layer])

@@ -7,7 +7,9 @@ only the model's forward is replaced, by a step-time model.
     python -m bench.simulator --system plugin --trace trace.jsonl --out sim.json \\
         [--link-GBps 390] [--kv-blocks 6095] [--model tests/models/qwen3-32b]
 
-Each step's duration comes from :class:`StepModel`: the plugin's own cost model
+The plugin's scheduler gets, on its first report, the calibration its workers would
+measure on that machine (:meth:`StepModel.calibration`), as in serving. Each step's
+duration comes from :class:`StepModel`: the plugin's own cost model
 (:class:`~dynoff.policy.latency.OffloadCostModel`: per-layer compute by batch composition,
 each offloaded layer's copy at the link's bandwidth and how much of it hides, the piecewise
 penalty while k > 0) plus the stall of a level change. Its defaults are the H200's
@@ -48,6 +50,32 @@ class StepModel:
     # decode steps did not: a token of context costs its KV bytes (64 layers x K, V x 8
     # heads x 128 x 2 B = 256 KiB for Qwen3-32B) at the H200's HBM bandwidth (~4.0 TB/s).
     ms_per_context_token: float = 262_144 / 4.0e12 * 1e3
+
+    def calibration(self) -> Any:
+        """What the workers' start-up calibration would measure on this machine."""
+        from dynoff.policy.latency import StepShape
+        from dynoff.policy.messages import Calibration
+
+        cost = self.cost_model()
+        rows = []
+        for batch in (8, 64, 256):
+            full = cost.step_ms(0, StepShape(batch, 0))
+            rows.append(
+                (
+                    batch,
+                    full,
+                    full + self.piecewise_penalty_ms,
+                    cost.step_ms(1, StepShape(batch, 0)),
+                )
+            )
+        return Calibration(
+            h2d_GBps=self.link_GBps,
+            layer_copy_ms=self.layer_bytes / (self.link_GBps * 1e9) * 1e3,
+            piecewise_penalty_ms=self.piecewise_penalty_ms,
+            decode_steps=tuple(rows),
+            stall_up_ms=self.stall_up_ms,
+            stall_down_ms=self.stall_down_ms,
+        )
 
     def cost_model(self) -> Any:
         from dynoff.policy.latency import OffloadCostModel, StepCost
@@ -116,7 +144,6 @@ def build_scheduler(args: argparse.Namespace, model: StepModel) -> Any:
         num_blocks = plan.num_blocks
         config = json.loads(args.plugin_config)
         config.setdefault("policy", {}).setdefault("max_level", args.max_level)
-        config.update(h2d_GBps=model.link_GBps, piecewise_penalty_ms=model.piecewise_penalty_ms)
         config.setdefault("host_page_size", GRANULE)
         extra = {"dynamic_offload": config}
     vllm_config = VllmConfig(
@@ -218,6 +245,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
                 decode,
                 prefill,
                 outcomes,
+                calibration=model.calibration() if steps == 1 else None,
                 last_command=command.command_id if command is not None else -1,
                 level_now=level,
             )
@@ -334,11 +362,65 @@ def validate(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return {"validation": entries}
 
 
+def sustainable(result: dict[str, Any], ttft_bound_ms: float) -> bool:
+    """A rate is sustained when the server keeps up: every request completes and the P99
+    time to first token stays under ``ttft_bound_ms`` (a queue that grows over the trace
+    shows there first; the client's throughput counts the drain after the last arrival)."""
+    return result["failed"] == 0 and result["p99_ttft_ms"] <= ttft_bound_ms
+
+
+def predict(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Max sustainable ShareGPT rate of stock and of the plugin on each link (a staircase
+    of ``--rates``, each a fresh ``--seconds`` Poisson trace), and their ratio."""
+    import shlex
+    import subprocess
+    import sys
+
+    rows: dict[str, Any] = {}
+    traces = {}
+    for rate in args.rates:
+        path = tmp / f"r{rate}.jsonl"
+        spec = f"poisson --rate {rate} --seconds {args.seconds}"
+        cmd = [sys.executable, "-m", "bench.traces", *shlex.split(spec), "--out", str(path)]
+        subprocess.run(cmd, check=True, capture_output=True)
+        traces[rate] = read_trace(str(path))
+
+    def staircase(system: str, link: float) -> dict[str, Any]:
+        run_args = argparse.Namespace(**{**vars(args), "system": system, "link_GBps": link})
+        best, points = 0.0, []
+        for rate in args.rates:
+            result = simulate(run_args, StepModel(link_GBps=link), traces[rate])
+            ok = sustainable(result, args.ttft_bound_ms)
+            points.append({"rate": rate, "sustained": ok, **result})
+            print(f"[simulator] {system} {link} GB/s {rate} req/s: {ok}", flush=True)
+            if not ok:
+                break
+            best = rate
+        return {"max_sustainable_rps": best, "points": points}
+
+    stock = staircase("stock", args.link_GBps)
+    rows["stock"] = stock
+    for link in args.links:
+        plugin = staircase("plugin", link)
+        plugin["dynamic_over_stock"] = (
+            round(plugin["max_sustainable_rps"] / stock["max_sustainable_rps"], 4)
+            if stock["max_sustainable_rps"]
+            else None
+        )
+        rows[f"plugin_{link:g}GBps"] = plugin
+    return {"predictions": {"qwen3-32b_sharegpt": rows}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system", choices=["stock", "plugin"], required=True)
     parser.add_argument("--trace", default=None, help="bench.traces JSON lines (or --validate)")
     parser.add_argument("--validate", action="store_true", help="the held-back H200 points")
+    parser.add_argument("--predict", action="store_true", help="max sustainable rates")
+    parser.add_argument("--rates", type=float, nargs="+", default=[12, 14, 16, 18, 20, 22])
+    parser.add_argument("--links", type=float, nargs="+", default=[55.3, 392.0, 900.0])
+    parser.add_argument("--seconds", type=int, default=60)
+    parser.add_argument("--ttft-bound-ms", type=float, default=1000.0)
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default=str(ROOT / "tests/models/qwen3-32b"))
     parser.add_argument("--kv-blocks", type=int, default=6095, help="stock's KV at 0.62 (H200)")
@@ -359,8 +441,21 @@ def main() -> None:
         result.update(version="first: stock vLLM on PCIe only", model=dataclasses.asdict(model))
         write_results(args.out, result)
         return
+    if args.predict:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            result = predict(args, Path(tmp))
+        result.update(
+            version="first: the H200-calibrated Qwen3-32B at a GH200-sized KV cache (stock's "
+            "blocks at 0.62); links are emulated by the step model",
+            ttft_bound_ms=args.ttft_bound_ms,
+            model=dataclasses.asdict(model),
+        )
+        write_results(args.out, result)
+        return
     if args.trace is None:
-        parser.error("give --trace, or --validate")
+        parser.error("give --trace, --validate or --predict")
     result = simulate(args, model, read_trace(args.trace))
     result.update(system=args.system, link_GBps=args.link_GBps, model=dataclasses.asdict(model))
 

@@ -38,6 +38,8 @@ class TraceSummary:
 
     def __init__(self) -> None:
         self.steps = 0
+        self.first_step: int | None = None
+        self.last_step: int | None = None
         self.max_waiting = 0
         self.levels_visited: list[int] = [0]
         self.capacity_by_level: dict[int, int] = {}
@@ -48,6 +50,9 @@ class TraceSummary:
     def add(self, record: dict[str, Any]) -> None:
         if record["kind"] == "step":
             self.steps += 1
+            if self.first_step is None:
+                self.first_step = record["step"]
+            self.last_step = record["step"]
             self.max_waiting = max(self.max_waiting, record["waiting"])
             self.capacity_by_level.setdefault(record["level"], record["capacity_blocks"])
         elif record["kind"] != "event":
@@ -63,6 +68,8 @@ class TraceSummary:
     def as_dict(self) -> dict[str, Any]:
         return {
             "steps": self.steps,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
             "levels_visited": self.levels_visited,
             "capacity_blocks_by_level": dict(sorted(self.capacity_by_level.items())),
             "level_changes": self.level_changes,

@@ -96,10 +96,13 @@ def test_a_second_point_on_the_same_server_reports_only_its_own_steps(
     assert second["startup_s"] == first["startup_s"]  # one server, started once
     assert second["client"]["completed"] == second["client"]["num_prompts"] >= 2
     assert second["client"]["completed"] < first["client"]["completed"]
-    # The trace segment of the second point holds its steps only: fewer than the first's
-    # and, with the calibration the server measured at start, the same calibration.
-    assert 0 < second["plugin"]["steps"] < first["plugin"]["steps"]
-    assert second["plugin"]["calibration"] == first["plugin"]["calibration"]
+    # The trace segment of the second point holds its steps only: they begin after the
+    # first point's last and run without a gap (how many depends on the lengths and on the
+    # CPU's speed, so their count is not compared); the server's calibration is the same.
+    one, two = first["plugin"], second["plugin"]
+    assert one["first_step"] >= 1 and two["first_step"] > one["last_step"]
+    assert two["steps"] == two["last_step"] - two["first_step"] + 1 > 0
+    assert two["calibration"] == one["calibration"]
     for name in ("stock", "plugin"):
         peak = json.loads(runs[f"{name}_poisson"].read_text())["server_metrics"]["peak"]
         assert peak["preemptions"] >= 0  # counted from the point's own start

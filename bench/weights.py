@@ -8,9 +8,11 @@ the plugin's alike, after the engine started (graphs captured, level 0).
   every decoder layer gets the *same* weights, of magnitude 1e-3: a layer that runs on its
   partner's weights computes exactly the same thing, and identity checks cannot see it.
   This gives each decoder layer's matrices their own values (seeded by layer and name),
-  scaled like a trained model's (standard deviation 1 / sqrt(fan-in)), so every layer moves
-  the residual stream. On the plugin's workers it also refreshes the pinned host copies
-  the layers are prefetched and restored from.
+  scaled like a trained model's (standard deviation 1 / sqrt(fan-in)), and sets every
+  norm's weight to 1 (the dummy ones, ~1e-3, would scale each layer's input, and so its
+  contribution, down a thousandfold), so every layer moves the residual stream. On the
+  plugin's workers it also refreshes the pinned host copies the layers are prefetched and
+  restored from.
 * :func:`wrong_partner`: the negative control. The plugin's prefetch engine copies each
   offloaded layer's *partner* into the shared region, keeping its ledger's belief that the
   layer is there: at k > 0 layers run on wrong weights and nothing else notices. With
@@ -34,12 +36,16 @@ def distinct_weights(worker: Any, seed: int = 0) -> int:
     """Re-draw every decoder layer's matrices, distinct per layer; returns how many."""
     from dynoff.compile_pass.worker_base import find_decoder_layers
 
-    layers = find_decoder_layers(worker.model_runner.get_model())
+    model = worker.model_runner.get_model()
+    for name, param in model.named_parameters():
+        if param.dim() == 1 and "norm" in name:
+            param.data.fill_(1.0)
+    layers = find_decoder_layers(model)
     drawn = 0
     for index, layer in enumerate(layers):
         for name, param in layer.named_parameters():
             if param.dim() < 2:
-                continue  # norms and biases keep their values
+                continue  # norms (set to 1 above) and biases
             generator = torch.Generator(device="cpu").manual_seed(_seed(seed, index, name))
             values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             param.data.copy_(values.mul_(param.shape[-1] ** -0.5).to(param.dtype))

@@ -30,12 +30,15 @@ def worker(model: ToyDecoder, plugin: bool) -> types.SimpleNamespace:
 def test_each_layer_gets_its_own_weights_and_the_host_copies_follow() -> None:
     model = ToyDecoder(N, DIM, HIDDEN).requires_grad_(False)
     torch.nn.init.constant_(model.layers[0].o_proj.weight, 1e-3)  # vLLM-dummy-like
+    torch.nn.init.constant_(model.layers[3].post_norm, 1e-3)
     w = worker(model, plugin=True)
     assert distinct_weights(w) == 4 * N  # the four matrices of each layer
     first, second = model.layers[0].down_proj.weight, model.layers[4].down_proj.weight
     assert not torch.equal(first, second)
     assert abs(first.float().std().item() - HIDDEN**-0.5) < 0.2 * HIDDEN**-0.5
-    assert torch.equal(model.layers[0].input_norm, torch.ones(DIM))  # norms left alone
+    for layer in model.layers:  # norms at 1, so each layer's input is not scaled away
+        assert torch.equal(layer.input_norm, torch.ones(DIM))
+        assert torch.equal(layer.post_norm, torch.ones(DIM))
     for layer, pack in w._dynoff.placement.offloadable().items():
         assert torch.equal(pack.cpu, pack.flat), layer
     # The same seed draws the same weights in another engine (stock's, here unpacked).

@@ -8,34 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynoff.allocator import VmmArena
-from dynoff.allocator.kv_cache import VmmKVCache
 from dynoff.compile_pass.levels import LevelChanger
-from dynoff.compile_pass.placement import WeightPlacement
-from dynoff.compile_pass.prefetch import PrefetchEngine
-from dynoff.compile_pass.runtime import OffloadRuntime
 from dynoff.policy.messages import OffloadCommand
-from tests.allocator.kv_config import kv_config
-from tests.compile_pass.toy_model import ToyDecoder
+from tests.compile_pass.rigs import host_level_changer
 
-N = 8
-PAGE = 64 << 10
 UP = OffloadCommand(0, 1, 1, map_groups=(8, 9))
 DOWN = OffloadCommand(1, 2, 0, unmap_groups=(8, 9))
 
 
 def rig(level: int) -> LevelChanger:
-    torch.manual_seed(0)
-    model = ToyDecoder(N).requires_grad_(False)
-    arena = VmmArena("host", page_size=PAGE)
-    placement = WeightPlacement(arena, model.layers, max_level=2)
-    engine = PrefetchEngine.for_placement(placement)
-    runtime = OffloadRuntime(N, engine)
-    kv = VmmKVCache(arena, kv_config(64, 1, PAGE), group_blocks=1, active_groups=8)
-    levels = LevelChanger(0, placement, kv, engine, runtime)
+    levels = host_level_changer()
     if level:
         assert levels.apply(UP).ok
-        engine.prefetch(0)  # what a step at level 1 ends with
+        levels.engine.prefetch(0)  # what a step at level 1 ends with
     return levels
 
 

@@ -7,31 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynoff.allocator import VmmArena
-from dynoff.allocator.kv_cache import VmmKVCache
-from dynoff.compile_pass.levels import LevelChanger
-from dynoff.compile_pass.placement import WeightPlacement
-from dynoff.compile_pass.prefetch import PrefetchEngine, WrongWeightsError
-from dynoff.compile_pass.runtime import OffloadRuntime
+from dynoff.compile_pass.prefetch import WrongWeightsError
 from dynoff.policy.messages import OffloadCommand
-from tests.allocator.kv_config import kv_config
-from tests.compile_pass.toy_model import ToyDecoder
-
-N = 8
-PAGE = 64 << 10
+from tests.compile_pass.rigs import host_level_changer
 
 
 @pytest.fixture
 def rig():
-    torch.manual_seed(0)
-    model = ToyDecoder(N).requires_grad_(False)
-    arena = VmmArena("host", page_size=PAGE)
-    placement = WeightPlacement(arena, model.layers, max_level=2)
-    engine = PrefetchEngine.for_placement(placement)
-    runtime = OffloadRuntime(N, engine)
-    kv = VmmKVCache(arena, kv_config(64, 1, PAGE), group_blocks=1, active_groups=8)
-    levels = LevelChanger(0, placement, kv, engine, runtime)
-    return levels, placement, engine
+    levels = host_level_changer()
+    return levels, levels.placement, levels.engine
 
 
 def test_the_ledger_follows_raises_prefetches_and_lowerings(rig) -> None:

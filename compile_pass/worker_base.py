@@ -324,6 +324,7 @@ class DynamicOffloadMixin:
             self._layer_bytes(),
             state.placement.max_level,
             state.arena.page_size,
+            stock_block_bytes=self._per_layer_block_bytes(),  # what stock would allocate
         )
         state.plan = plan
         logger.info(

@@ -117,21 +117,28 @@ def plan_capacity(
     layer_bytes: int,
     max_level: int,
     page_size: int = GRANULE,
+    stock_block_bytes: Sequence[int] | None = None,
 ) -> CapacityPlan:
     """Tiers for a model: each level frees one layer's pages, which fill whole groups (the
     remainder carried to the next level, :class:`CapacityPlan`).
 
-    Level 0 gets the ``base_blocks`` vLLM sized, in whole groups: rounded up when the last
-    partial group's pages are no more than stock vLLM's own KV tensors would reserve for
-    ``base_blocks`` (:func:`torch_reserved`), so level 0 holds no fewer blocks than stock
-    with no more memory; rounded down otherwise."""
+    Level 0 gets the ``base_blocks`` vLLM sized, in whole groups: rounded up when the blocks
+    that completes the last group take no more than what stock vLLM's own KV tensors (one
+    per layer, of ``stock_block_bytes`` a block; by default ``block_bytes``) reserve beyond
+    ``base_blocks`` in PyTorch's rounding (:func:`torch_reserved`), so level 0 holds no
+    fewer blocks than stock with no more memory, whatever the plugin's own layout; rounded
+    down otherwise."""
     probe = KVLayout(num_blocks=0, block_bytes=tuple(block_bytes), page_size=page_size)
     layer_pages = -(-layer_bytes // page_size)
     base_groups = base_blocks // probe.group_blocks
     up = (base_groups + 1) * probe.group_blocks
-    if base_blocks % probe.group_blocks and all(
-        base_blocks * b > TORCH_LARGE_BUFFER and up * b <= torch_reserved(base_blocks * b)
-        for b in probe.block_bytes
+    stock = tuple(stock_block_bytes or block_bytes)
+    slack = sum(torch_reserved(base_blocks * b) - base_blocks * b for b in stock)
+    needed = (up - base_blocks) * sum(probe.block_bytes)
+    if (
+        base_blocks % probe.group_blocks
+        and all(base_blocks * b > TORCH_LARGE_BUFFER for b in stock)
+        and needed <= slack
     ):
         base_groups += 1
     if base_groups < 1:

@@ -74,6 +74,16 @@ def test_level_0_matches_stock_where_its_allocator_would_round_up() -> None:
     # reserves as 14 MiB; a third group would take 18 MiB, so level 0 keeps two (8 blocks).
     odd = plan_capacity([3 << 19] * 2, base_blocks=9, layer_bytes=64 << 20, max_level=1)
     assert (odd.group_blocks, odd.capacity_blocks(0)) == (4, 8)
+    # The packed layout (one buffer, a block of all 64 layers is 4 MiB, groups of 15 on 30
+    # MiB pages): stock's 64 per-layer tensors for 6,059 blocks reserve 84 MiB of rounding,
+    # so the one block that completes group 404 (4 MiB) fits in it: 6,060, not 6,045.
+    packed = plan_capacity(
+        [4 << 20], 6059, 930 << 20, max_level=32, page_size=30 << 20, stock_block_bytes=strides
+    )
+    assert (packed.group_blocks, packed.capacity_blocks(0)) == (15, 6060)
+    # Without stock's per-layer tensors to compare with, one buffer has no rounding to spare.
+    alone = plan_capacity([4 << 20], 6059, 930 << 20, max_level=32, page_size=30 << 20)
+    assert alone.capacity_blocks(0) == 6045
     # Below 10 MiB the allocator packs small buffers together: no rounding to lean on.
     small = plan_capacity([SPEC.page_size_bytes] * 4, 600, layer_bytes=9 << 20, max_level=2)
     assert small.capacity_blocks(0) == 512

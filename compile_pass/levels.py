@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from dynoff.allocator.kv_cache import VmmKVCache
 from dynoff.compile_pass.placement import WeightPlacement
@@ -33,15 +34,17 @@ DRIVER_CALLS_US = ("map_us", "unmap_us", "set_access_us")
 Gather = Callable[[list[ResizeOutcome]], list[ResizeOutcome]]
 
 
-def gather_outcomes(
-    outcomes: list[ResizeOutcome], world_size: int, group: object = None
-) -> list[ResizeOutcome]:
-    """Every rank's outcomes on every rank (``torch.distributed``, a CPU/gloo group)."""
+T = TypeVar("T")
+
+
+def gather_all(items: list[T], world_size: int, group: object = None) -> list[T]:
+    """Every rank's items on every rank, in rank order (``torch.distributed``, a CPU/gloo
+    group): resize outcomes after a change, the capacity plans at start-up."""
     import torch.distributed as dist
 
-    gathered: list[list[ResizeOutcome]] = [[] for _ in range(world_size)]
-    dist.all_gather_object(gathered, outcomes, group=group)
-    return [o for rank in gathered for o in rank]
+    gathered: list[list[T]] = [[] for _ in range(world_size)]
+    dist.all_gather_object(gathered, items, group=group)
+    return [item for rank in gathered for item in rank]
 
 
 class RanksDivergedError(RuntimeError):

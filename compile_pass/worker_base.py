@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import torch
@@ -36,7 +36,7 @@ from dynoff.allocator.kv_cache import VmmKVCache
 from dynoff.compile_pass import calibrate, hacks, homes, runtime
 from dynoff.compile_pass.config import Route, compile_route
 from dynoff.compile_pass.fx_pass import LAYER_PREFETCH_PASS
-from dynoff.compile_pass.levels import LevelChanger, gather_outcomes
+from dynoff.compile_pass.levels import LevelChanger, gather_all
 from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.timing import StepTimer, Timed
@@ -64,6 +64,7 @@ from dynoff.policy.messages import (
 )
 
 logger = init_logger("vllm.dynoff.worker")
+T = TypeVar("T")
 
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -417,15 +418,7 @@ class DynamicOffloadMixin:
             state.config.kv_layout,
             state.placement.pages_per_layer,
         )
-        world = self.vllm_config.parallel_config.world_size  # type: ignore[attr-defined]
-        if world == 1:
-            return (mine,)
-        import torch.distributed as dist
-        from vllm.distributed.parallel_state import get_world_group
-
-        gathered: list[PlanReport | None] = [None] * world
-        dist.all_gather_object(gathered, mine, group=get_world_group().cpu_group)
-        return tuple(p for p in gathered if p is not None)
+        return tuple(self._gather([mine]))
 
     def _move_homes_to_device(self) -> None:
         """The fast-link emulation (:mod:`.homes`): the offloaded layers' homes move from
@@ -623,11 +616,12 @@ class DynamicOffloadMixin:
         del dst
         return src.numel() / best / 1e9
 
-    def _gather(self, outcomes: list[ResizeOutcome]) -> list[ResizeOutcome]:
-        """Every rank's outcomes, on every rank (rank 0's report carries them)."""
+    def _gather(self, items: list[T]) -> list[T]:
+        """Every rank's items (resize outcomes, plans), on every rank: rank 0's report
+        carries them."""
         world = self.vllm_config.parallel_config.world_size  # type: ignore[attr-defined]
         if world == 1:
-            return outcomes
+            return items
         from vllm.distributed.parallel_state import get_world_group
 
-        return gather_outcomes(outcomes, world, get_world_group().cpu_group)
+        return gather_all(items, world, get_world_group().cpu_group)

@@ -77,17 +77,13 @@ class Pacer:
         self._plans: dict[int, PacePlan] = {}
 
     def calibrate(self, sample: torch.Tensor) -> None:
-        """Measure the unpaced device copy of ``sample`` and the spin's clock."""
+        """Measure the unpaced device copy of ``sample`` (as the start-up calibration times
+        a layer's copy) and the spin's clock."""
+        from dynoff.compile_pass.calibrate import link
+
         scratch = torch.empty_like(sample)
+        self.raw_GBps = link({0: sample}, {0: scratch}) / 1e9
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        best = math.inf
-        for _ in range(3):
-            start.record()
-            scratch.copy_(sample, non_blocking=True)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) * 1e6)  # ns
-        self.raw_GBps = sample.numel() / best
         start.record()
         torch.cuda._sleep(SPIN_SAMPLE_CYCLES)
         end.record()

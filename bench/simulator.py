@@ -90,19 +90,6 @@ class StepModel:
         )
 
 
-def kv_cache_config(num_blocks: int, num_layers: int, spec: Any) -> Any:
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[n]) for n in layers
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
-    )
-
-
 def build_scheduler(args: argparse.Namespace, model: StepModel) -> Any:
     """vLLM's scheduler for ``args.system`` over the KV cache a worker would size."""
     import torch
@@ -111,7 +98,7 @@ def build_scheduler(args: argparse.Namespace, model: StepModel) -> Any:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from dynoff.policy.geometry import GRANULE, plan_capacity
+    from dynoff.policy.geometry import GRANULE, per_layer_kv_cache_config, plan_capacity
     from dynoff.policy.scheduler import DynamicOffloadScheduler
 
     model_config = ModelConfig(
@@ -153,18 +140,19 @@ def build_scheduler(args: argparse.Namespace, model: StepModel) -> Any:
         additional_config=extra,
     )
     cache.num_gpu_blocks = num_blocks
-    kv = kv_cache_config(num_blocks, model.num_layers, spec)
+    kv = per_layer_kv_cache_config(num_blocks, spec, model.num_layers)
     cls = DynamicOffloadScheduler if args.system == "plugin" else AsyncScheduler
     return cls(vllm_config, kv, StructuredOutputManager(vllm_config), block_size=16)
 
 
 def make_request(index: int, prompt_len: int, output_len: int) -> Any:
+    """Request ``index`` of the trace (the block hasher's none-hash is set up by
+    :func:`simulate`, once)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
-    init_none_hash(sha256)
     prompt = [(index * 7919 + j) % 30000 + 3 for j in range(prompt_len)]  # no shared prefix
     return Request(
         request_id=f"r{index}",
@@ -178,11 +166,14 @@ def make_request(index: int, prompt_len: int, output_len: int) -> Any:
 def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, Any]]) -> dict:
     """Serve ``trace`` (``{"t", "prompt_len", "output_len"}`` per request) on the simulated
     clock; returns the client's view (as ``vllm bench serve`` reports it) and the levels."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.outputs import ModelRunnerOutput
 
     from dynoff.policy.latency import StepShape
     from dynoff.policy.messages import ResizeOutcome, StepReport
 
+    init_none_hash(sha256)
     scheduler = build_scheduler(args, model)
     cost = model.cost_model()
     pending = sorted(trace, key=lambda r: r["t"])

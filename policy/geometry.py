@@ -16,7 +16,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheTensor
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
 
 from dynoff.policy.messages import PlanReport
 
@@ -230,6 +235,20 @@ def check_planned_layer(planned_bytes: int, real_bytes: int, page_size: int) -> 
             f'"layer_bytes": {real_bytes} in the dynamic_offload config'
         )
     return real - planned
+
+
+def per_layer_kv_cache_config(num_blocks: int, spec: Any, num_layers: int) -> KVCacheConfig:
+    """vLLM's KV cache config for ``num_layers`` attention layers of one kind (``spec``), one
+    tensor per layer, as its engine builds it: what the simulator's scheduler and the tests
+    stand on."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[n]) for n in names
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
 
 
 def layout_strides(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:

@@ -11,11 +11,10 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
 )
 from vllm.v1.request import Request
+
+from dynoff.policy.geometry import per_layer_kv_cache_config
 
 BLOCK_SIZE = 16
 NUM_LAYERS = 4
@@ -28,17 +27,8 @@ _ids = itertools.count()
 
 
 def make_manager(num_blocks: int, page_size: int = 2 << 20) -> KVCacheManager:
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(size=num_blocks * SPEC.page_size_bytes, shared_by=[name])
-            for name in layers
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(layers, SPEC)],
-    )
     return KVCacheManager(
-        config,
+        per_layer_kv_cache_config(num_blocks, SPEC, NUM_LAYERS),
         max_model_len=8192,
         scheduler_block_size=BLOCK_SIZE,
         hash_block_size=BLOCK_SIZE,

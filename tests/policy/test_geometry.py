@@ -11,7 +11,6 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    KVCacheTensor,
     SlidingWindowSpec,
 )
 
@@ -22,6 +21,7 @@ from dynoff.policy.geometry import (
     decoder_layer_bytes,
     layout_strides,
     packed_kv_cache_config,
+    per_layer_kv_cache_config,
     plan_capacity,
     recover_plan,
     resolve_kv_layout,
@@ -45,14 +45,7 @@ def test_the_page_divides_the_pack_and_keeps_a_change_to_a_few_dozen_mappings() 
 
 
 def config(num_blocks: int, spec: FullAttentionSpec, layers: int = 4) -> KVCacheConfig:
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[n]) for n in names
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-    )
+    return per_layer_kv_cache_config(num_blocks, spec, layers)
 
 
 SPEC = FullAttentionSpec(

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from vllm.config import CacheConfig, ModelConfig, VllmConfig
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -19,6 +18,7 @@ from dynoff.policy.geometry import (
     UnsupportedModelError,
     decoder_layer_bytes,
     layout_strides,
+    per_layer_kv_cache_config,
     plan_capacity,
     planned_layer_bytes,
 )
@@ -41,20 +41,13 @@ def build(tmp_path: Path, schedule: list[list[int]]) -> DynamicOffloadScheduler:
     }
     cache = CacheConfig(block_size=16)
     vllm_config = VllmConfig(model_config=model, cache_config=cache, additional_config=extra)
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
     # What the worker does: size the KV cache for the highest level's capacity.
     strides = (SPEC.page_size_bytes,) * 4
     layer_bytes = decoder_layer_bytes(model.hf_config, 2)
     plan = plan_capacity(
         strides, base_blocks=64, layer_bytes=layer_bytes, max_level=2, page_size=PAGE
     )
-    kv = KVCacheConfig(
-        num_blocks=plan.num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(plan.num_blocks * SPEC.page_size_bytes, [n]) for n in layers
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(layers, SPEC)],
-    )
+    kv = per_layer_kv_cache_config(plan.num_blocks, SPEC, 4)
     assert layout_strides(kv) == strides
     cache.num_gpu_blocks = plan.num_blocks  # what EngineCore sets after profiling
     return DynamicOffloadScheduler(

@@ -19,12 +19,17 @@ N = 8
 PAGE = 64 << 10
 
 
-def host_level_changer(max_level: int = 2) -> LevelChanger:
-    torch.manual_seed(0)
-    model = ToyDecoder(N).requires_grad_(False)
+def host_level_changer(
+    rank: int = 0, model: ToyDecoder | None = None, max_level: int = 2
+) -> LevelChanger:
+    """Rank ``rank``'s level changer over ``model`` (by default a seeded toy decoder). A
+    level frees 3 pages and its tier of one-page groups takes 2."""
+    if model is None:
+        torch.manual_seed(0)
+        model = ToyDecoder(N).requires_grad_(False)
     arena = VmmArena("host", page_size=PAGE)
     placement = WeightPlacement(arena, model.layers, max_level=max_level)
     engine = PrefetchEngine.for_placement(placement)
     runtime = OffloadRuntime(N, engine)
     kv = VmmKVCache(arena, kv_config(64, 1, PAGE), group_blocks=1, active_groups=8)
-    return LevelChanger(0, placement, kv, engine, runtime)
+    return LevelChanger(rank, placement, kv, engine, runtime)

@@ -12,17 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dynoff.allocator import VmmArena
-from dynoff.allocator.kv_cache import VmmKVCache
-from dynoff.compile_pass.levels import LevelChanger, gather_outcomes
-from dynoff.compile_pass.placement import WeightPlacement
-from dynoff.compile_pass.prefetch import PrefetchEngine
-from dynoff.compile_pass.runtime import OffloadRuntime
+from dynoff.compile_pass.levels import gather_all
 from dynoff.policy.messages import OffloadCommand
-from tests.allocator.kv_config import kv_config
+from tests.compile_pass.rigs import host_level_changer
 from tests.compile_pass.toy_model import ToyDecoder
 
-PAGE = 64 << 10
 WORLD = 2
 
 
@@ -32,14 +26,9 @@ def rank_main(rank: int, init_file: str, out_dir: str) -> None:
     model = ToyDecoder(8).requires_grad_(False)
     x = torch.randn(1, 4, 64)
     reference = model(x)
-    arena = VmmArena("host", page_size=PAGE)
-    placement = WeightPlacement(arena, model.layers, max_level=2)
-    engine = PrefetchEngine.for_placement(placement)
-    runtime = OffloadRuntime(8, engine)
-    # One KV buffer, one page per group: a level frees 3 pages and its tier takes 2.
-    kv = VmmKVCache(arena, kv_config(64, 1, PAGE), group_blocks=1, active_groups=8)
-    levels = LevelChanger(rank, placement, kv, engine, runtime)
-    gather = lambda outcomes: gather_outcomes(outcomes, WORLD)  # noqa: E731
+    levels = host_level_changer(rank, model)
+    placement, runtime, kv = levels.placement, levels.runtime, levels.kv
+    gather = lambda outcomes: gather_all(outcomes, WORLD)  # noqa: E731
     history = []
     commands = [
         (OffloadCommand(0, 1, 1, map_groups=(8, 9)), None),
@@ -50,7 +39,7 @@ def rank_main(rank: int, init_file: str, out_dir: str) -> None:
     ]
     for command, failing_rank in commands:
         if failing_rank == rank:
-            arena._inject_failure(3)  # a driver call part-way through this rank's resize
+            placement.arena._inject_failure(3)  # a driver call part-way through this rank's resize
         outcomes = levels.apply_everywhere(command, gather)
         history.append(
             {

@@ -25,23 +25,32 @@ Rule ``priced`` (the default) keeps the thresholds and the cooldown and changes 
 climb must show, so that a level which does not pay is not tried (on a 55 GB/s PCIe link a
 Qwen3-32B layer copies in 17.7 ms against a 25-40 ms decode step: almost never):
 
-    under pressure:  if level k measured as a loss (the audit): k -= 1     ("down-loss")
-                     elif k < M, no audit open, k+1 not backed off, and
-                          C_{k+1} / (L_{k+1} + (S_up + S_down) / H) > (1 + m) · C_k / L_k:
-                          k += 1
+    under pressure:  if level k measured as a loss (the audit): back to where its climb began
+                     elif no audit open, for the best j in reach (k+1, k+2, k+4, ..., M) not
+                          backed off:
+                          C'_j / (L_j + (j - k) (S_up + S_down) / H) > (1 + m_j) · C_k / L_k:
+                          k = j                                            ("up")
                      [elif descend_under_pressure ...: k -= 1]
     low pressure:    as the seed
 
 L comes from the latency model over the recent step mix (exposed copies and the piecewise
-penalty included; L_{k+1} over the mix with C_{k+1}/C_k times the decode tokens, the
-requests the extra KV admits), S from :class:`~dynoff.policy.pricing.SwitchCost`, H is the
-cooldown or the pressure episode's length so far, whichever is longer, and m is
-``climb_margin`` or, unset, the measured noise of the proxy
-(:func:`~dynoff.policy.pricing.noise_margin`). An unknown L_{k+1} holds: nothing is
-explored on a guess. While level k+1 has no measurements of its own, m is at least the
-model's error on level 1 as the start-up calibration measured it
-(:func:`~dynoff.policy.pricing.model_error`). The controller audits every climb
-(:mod:`dynoff.policy.audit`) and reports a loss through :meth:`OffloadPolicy.lost`.
+penalty included; L_j over the mix with C_j/C_k times the decode tokens, the requests the
+extra KV admits), S from :class:`~dynoff.policy.pricing.SwitchCost`, H is the cooldown or
+the pressure episode's length so far, whichever is longer, and m_j is ``climb_margin`` or,
+unset, the measured noise of the proxy (:func:`~dynoff.policy.pricing.noise_margin`). An
+unknown L_j holds: nothing is explored on a guess. While level j has no measurements of
+its own, m_j is at least the model's error on level 1 as the start-up calibration measured
+it (:func:`~dynoff.policy.pricing.model_error`).
+
+Why look past k+1: the piecewise-graph penalty is paid once, at any k > 0, while each level
+adds the same KV. On a fast link a level that hides its copies can lose at k = 1 (4% more KV
+for a 7% slower step) and win at k = 4 or 8; a rule that looks one level ahead never gets
+there. C'_j bounds the gain by the KV pressure: no more capacity counts than the waiting
+requests need (the scheduler passes their blocks), and no more than the batch may still
+grow (``max_num_seqs``), so a queue held back by the sequence limit never buys a level. A
+climb of several levels runs one command per level and is audited as one
+(:mod:`dynoff.policy.audit`): a loss returns to where it began and backs off the level
+and every level above it.
 
 Warm-up (optional, the seed's): start at M and step down one level each time the current
 level has ``warmup_samples`` decode-only measurements, until level 0 is measured.
@@ -67,6 +76,10 @@ class Pressure:
     mix: tuple[StepShape, ...] = ()  # recent steps' compositions, oldest first
     step: int = 0  # the scheduler step (back-offs count in steps)
     auditing: bool = False  # priced: the last climb is still being measured
+    # priced: the KV blocks the waiting requests need (None: not known, no bound) ...
+    demand_blocks: int | None = None
+    # ... and how far the batch may still grow (max_num_seqs / running; None: no bound).
+    batch_room: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +87,9 @@ class Decision:
     level: int
     reason: str  # cooldown, up, down, down-pressure, down-loss, hold, warmup, warmup-done
     proxy_current: float | None = None
-    proxy_next: float | None = None  # priced: with the switching stall amortised
-    margin: float | None = None  # priced: what the climb had to clear
+    proxy_next: float | None = None  # priced: the best level in reach, stalls amortised
+    margin: float | None = None  # priced: what the climb to it had to clear
+    priced_level: int | None = None  # priced: the level proxy_next is for
 
 
 class OffloadPolicy:
@@ -106,7 +120,8 @@ class OffloadPolicy:
         self.backoff = Backoff(config.loss_backoff_steps)
         self.episode = 0  # consecutive decisions under pressure
         self.unmeasured_margin = 0.0  # the model's error on a level it has not measured
-        self._lost: int | None = None  # a level the audit measured as a loss
+        self._lost: int | None = None  # a level the audit measured as a loss ...
+        self._lost_to = 0  # ... and the level its climb came from
 
     def proxy(self, level: int, mix: tuple[StepShape, ...]) -> float | None:
         """E[T_k] = C_k / L_k (blocks per ms)."""
@@ -128,12 +143,17 @@ class OffloadPolicy:
             return self._priced(pressure, high)
         return self._seed(pressure, high)
 
-    def lost(self, level: int, step: int) -> int:
-        """The audit measured ``level`` as a loss: leave it at the next decision, and keep
-        out of it for the back-off. Returns the step it may be tried again."""
+    def lost(self, level: int, step: int, from_level: int | None = None) -> int:
+        """The audit measured ``level`` (climbed to from ``from_level``, default one below)
+        as a loss: go back to ``from_level`` at the next decision, and climb no higher than
+        it for the back-off (the model priced ``level`` above the levels between and was
+        wrong there; it is not trusted above ``from_level`` until the back-off ends).
+        Returns the step a climb may be tried again."""
+        start = level - 1 if from_level is None else min(from_level, level - 1)
         if level == self.level:
             self._lost = level
-        return self.backoff.lost(level, step)
+            self._lost_to = start
+        return self.backoff.lost(start + 1, step)
 
     def paid(self, level: int) -> None:
         self.backoff.paid(level)
@@ -150,44 +170,92 @@ class OffloadPolicy:
             margin = max(margin, self.unmeasured_margin)
         return margin
 
-    def priced_next(self, mix: tuple[StepShape, ...]) -> float | None:
-        """C_{k+1} / (L_{k+1} + (S_up + S_down) / H), or None while L is unknown.
+    def reach(self, demand_blocks: int | None) -> list[int]:
+        """The levels a climb from k is priced to: k+1, k+2, k+4, ... and M (a change of
+        several levels runs one command per level, so the levels between are passed
+        through, not served), up to the first that holds what the waiting requests need;
+        a level beyond it adds KV nobody is asking for."""
+        k, levels, step = self.level, [], 1
+        while k + step <= self.max_level:
+            levels.append(k + step)
+            step *= 2
+        if levels and levels[-1] != self.max_level:
+            levels.append(self.max_level)
+        if demand_blocks is not None:
+            enough = self.capacity_blocks(k) + demand_blocks
+            for i, level in enumerate(levels):
+                if self.capacity_blocks(level) >= enough:
+                    return levels[: i + 1]
+        return levels
 
-        L_{k+1} is priced over the mix as level k+1 would run it: with the KV full, the
-        extra capacity admits proportionally more requests, so every step decodes
-        C_{k+1}/C_k times the tokens (prefill chunks stay within the token budget). On a
-        batch that is already compute-bound the longer steps eat the extra capacity, on
-        any link; the seed's C_{k+1}/L_{k+1} over the same steps counts it as pure gain."""
-        grow = self.capacity_blocks(self.level + 1) / self.capacity_blocks(self.level)
+    def priced(
+        self,
+        level: int,
+        mix: tuple[StepShape, ...],
+        demand_blocks: int | None = None,
+        batch_room: float | None = None,
+    ) -> float | None:
+        """C'_j / (L_j + (j - k) (S_up + S_down) / H) for a level j above k, or None while
+        L is unknown.
+
+        L_j is priced over the mix as level j would run it: with the KV full, the extra
+        capacity admits proportionally more requests, so every step decodes C_j/C_k times
+        the tokens (prefill chunks stay within the token budget). On a batch that is
+        already compute-bound the longer steps eat the extra capacity, on any link; the
+        seed's C_{k+1}/L_{k+1} over the same steps counts it as pure gain. C'_j is the
+        capacity that buys anything: no more than C_k plus the waiting requests' blocks,
+        nor more than the batch can still grow by (``max_num_seqs``); L_j keeps the full
+        C_j/C_k growth, so a bound only ever lowers the price of a level."""
+        now_blocks, blocks = self.capacity_blocks(self.level), self.capacity_blocks(level)
+        grow = blocks / now_blocks
         admitted = tuple(
             StepShape(round(s.num_decode_tokens * grow), s.num_prefill_tokens) for s in mix
         )
-        nxt = self.estimator.estimate(self.level + 1, admitted)
+        nxt = self.estimator.estimate(level, admitted)
         now = self.estimator.estimate(self.level, mix)
         if nxt is None or now is None or nxt <= 0:
             return None
         horizon = max(self.config.cooldown_steps, self.episode, 1)
-        nxt += self.switch.round_trip_ms(now) / horizon
-        return self.capacity_blocks(self.level + 1) / nxt
+        nxt += (level - self.level) * self.switch.round_trip_ms(now) / horizon
+        useful = float(blocks)
+        if demand_blocks is not None:
+            useful = min(useful, now_blocks + demand_blocks)
+        if batch_room is not None:
+            useful = min(useful, now_blocks * max(batch_room, 1.0))
+        return useful / nxt
+
+    def priced_next(self, mix: tuple[StepShape, ...]) -> float | None:
+        """The price of level k+1 (:meth:`priced`, no demand bound)."""
+        return self.priced(self.level + 1, mix)
 
     def _priced(self, pressure: Pressure, high: bool) -> Decision:
         cfg = self.config
         if high:
             if self._lost == self.level and self.level > 0:
                 self._lost = None
-                return self._move(-1, "down-loss")
+                return self._move(self._lost_to - self.level, "down-loss")
             mix = pressure.mix
             current = self.proxy(self.level, mix)
-            nxt, margin = None, self.margin(len(mix), self.level + 1)
-            blocked = pressure.auditing or self.backoff.blocked(self.level + 1, pressure.step)
-            if current is not None and self.level < self.max_level and not blocked:
-                nxt = self.priced_next(mix)
-                if nxt is not None and nxt > current * (1 + margin):
-                    return self._move(+1, "up", current, nxt, margin)
+            best: tuple[float, int, float] | None = None  # (price, level, margin)
+            if current is not None and not pressure.auditing:
+                for level in self.reach(pressure.demand_blocks):
+                    if self.backoff.blocked(level, pressure.step):
+                        break  # a loss there: it and every level above are out
+                    price = self.priced(level, mix, pressure.demand_blocks, pressure.batch_room)
+                    margin = self.margin(len(mix), level)
+                    if price is None:
+                        continue
+                    if best is None or price / (1 + margin) > best[0] / (1 + best[2]):
+                        best = (price, level, margin)
+            if current is not None and best is not None and best[0] > current * (1 + best[2]):
+                price, level, margin = best
+                return self._move(level - self.level, "up", current, price, margin, level)
             below = self._better_below(mix, current)
             if below is not None:
                 return self._move(-1, "down-pressure", current, below)
-            return Decision(self.level, "hold", current, nxt, margin)
+            if best is None:
+                return Decision(self.level, "hold", current, None, self.margin(len(mix)))
+            return Decision(self.level, "hold", current, best[0], best[2], best[1])
         if pressure.kv_utilization < cfg.low_threshold and self.level > 0:
             return self._move(-1, "down")
         return Decision(self.level, "hold")
@@ -237,10 +305,11 @@ class OffloadPolicy:
         current: float | None = None,
         nxt: float | None = None,
         margin: float | None = None,
+        priced_level: int | None = None,
     ) -> Decision:
         self.level += delta
         self.cooldown = self.config.cooldown_steps
-        return Decision(self.level, reason, current, nxt, margin)
+        return Decision(self.level, reason, current, nxt, margin, priced_level)
 
     def _warmup_step(self) -> Decision:
         if self.estimator.samples(self.level) < self.config.warmup_samples:

@@ -83,6 +83,7 @@ class ChangeAudit:
         self._last_time: float | None = None
         self._open: tuple[int, int, Window] | None = None  # (from, to, before)
         self._after: list[tuple[float, int, bool]] = []
+        self._before: list[tuple[float, int, bool]] | None = None  # taken when a climb begins
         self._skip = 0
 
     def observe(self, now_s: float, tokens: int, pressured: bool) -> Verdict | None:
@@ -105,11 +106,19 @@ class ChangeAudit:
     def open(self) -> bool:
         return self._open is not None
 
+    def begin(self) -> None:
+        """A climb starts: the window before it is the steps up to now (a climb of several
+        levels runs one change per level; the steps between them are not "before")."""
+        self._open = None
+        self._before = list(self._recent)
+
     def climbed(self, from_level: int, to_level: int) -> bool:
         """A climb completed: open an audit if the window before it was saturated."""
         self._open = None
-        before = measure(list(self._recent))
-        if before is None or len(self._recent) < self.window:
+        recent = self._before if self._before is not None else list(self._recent)
+        self._before = None
+        before = measure(recent)
+        if before is None or len(recent) < self.window:
             return False
         if before.pressured_share < self.saturated_share or before.tokens_per_s <= 0:
             return False
@@ -118,8 +127,9 @@ class ChangeAudit:
         return True
 
     def cancel(self) -> None:
-        """The level moved again before the audit closed."""
+        """The level moved again before the audit closed, or the climb failed."""
         self._open = None
+        self._before = None
 
     def _close(self) -> Verdict | None:
         assert self._open is not None

@@ -69,8 +69,10 @@ class OffloadController:
         layer_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         expected_plan: PlanReport | None = None,
+        max_running: int | None = None,
     ) -> None:
         self.config = config
+        self.max_running = max_running  # vLLM's max_num_seqs: the batch cannot grow past it
         self.expected_plan = expected_plan  # checked against the workers' first report
         self.clock = clock  # seconds; the audit's step times
         self.plan = plan
@@ -113,6 +115,8 @@ class OffloadController:
         self._mix: deque[StepShape] = deque(maxlen=config.policy.mix_steps)
         self._decision = "hold"
         self._last: Decision | None = None
+        self._climb_from: int | None = None  # where a climb of several levels began
+        self._hold_drain = False  # the descent under way was decided under pressure
         policy = config.policy
         self.audit = (
             ChangeAudit(
@@ -124,7 +128,11 @@ class OffloadController:
         self._pressured = False
 
     # -- per step -----------------------------------------------------------------------------
-    def on_schedule_start(self, step: int, waiting: int, running: int) -> OffloadCommand | None:
+    def on_schedule_start(
+        self, step: int, waiting: int, running: int, demand_blocks: int | None = None
+    ) -> OffloadCommand | None:
+        """``waiting``: requests the last schedule left waiting; ``demand_blocks``: the KV
+        blocks they need (None: unknown, the price of a level is not bounded by it)."""
         self.elastic.poll(step)
         if self.elastic.should_abort():
             self._abort_drain(step)
@@ -141,7 +149,7 @@ class OffloadController:
                 command = self._issue(step, self.level - 1, unmap=ready)
             elif not self.elastic.draining:
                 with trace_range("dynoff.policy.decide"):
-                    command = self._maybe_move(step, waiting)
+                    command = self._maybe_move(step, waiting, running, demand_blocks)
         self._record(step, waiting, running)
         return command
 
@@ -167,15 +175,17 @@ class OffloadController:
         if not verdict.loss:
             self.policy.paid(verdict.level)
             return
-        retry = self.policy.lost(verdict.level, step)
+        retry = self.policy.lost(verdict.level, step, verdict.from_level)
         logger.info(
             "dynamic offload: level %d served %.0f tokens/s against %.0f at level %d before "
-            "the climb (%.1f%%): a loss; leaving it, and not climbing into it before step %d",
+            "the climb (%.1f%%): a loss; going back, and not climbing above level %d before "
+            "step %d",
             verdict.level,
             verdict.after.tokens_per_s,
             verdict.before.tokens_per_s,
             verdict.from_level,
             (verdict.ratio - 1) * 100,
+            verdict.from_level,
             retry,
         )
 
@@ -266,7 +276,9 @@ class OffloadController:
             )
 
     # -- decisions ----------------------------------------------------------------------------
-    def _maybe_move(self, step: int, waiting: int) -> OffloadCommand | None:
+    def _maybe_move(
+        self, step: int, waiting: int, running: int, demand_blocks: int | None
+    ) -> OffloadCommand | None:
         forced = self.config.forced_level(step)
         if forced is not None:
             target = min(forced, self.plan.max_level)
@@ -275,14 +287,23 @@ class OffloadController:
         else:
             usage = self.elastic.pool.get_usage()
             auditing = self.audit is not None and self.audit.open
-            pressure = Pressure(waiting, usage, tuple(self._mix), step, auditing)
+            room = self.max_running / max(running, 1) if self.max_running else None
+            pressure = Pressure(
+                waiting, usage, tuple(self._mix), step, auditing, demand_blocks, room
+            )
             decision = self.policy.decide(pressure)
             target, self._decision, self._last = decision.level, decision.reason, decision
         if target > self.level:
+            if self._climb_from is None:  # a climb begins: the audit's window before it
+                self._climb_from = self.level
+                if self.audit is not None:
+                    self.audit.begin()
             groups = self.elastic.begin_grow(self.plan.tier(self.level))
             return self._issue(step, self.level + 1, map_=groups)
         if target < self.level:
-            under_pressure = self._decision in ("down-pressure", "down-loss")
+            if self._decision in ("down", "down-pressure", "down-loss", "forced"):
+                # A new descent (not the rest of one): held if decided under pressure.
+                self._hold_drain = self._decision in ("down-pressure", "down-loss")
             if self._decision == "down-pressure":
                 logger.info(
                     "dynamic offload: level %d costs more time than its KV saves under "
@@ -290,7 +311,7 @@ class OffloadController:
                     self.level,
                     target,
                 )
-            self.elastic.begin_shrink(self.plan.tier(self.level - 1), step, hold=under_pressure)
+            self.elastic.begin_shrink(self.plan.tier(self.level - 1), step, hold=self._hold_drain)
             ready = self.elastic.take_ready(step)
             if ready:
                 return self._issue(step, self.level - 1, unmap=ready)
@@ -361,11 +382,15 @@ class OffloadController:
             slowest = max(outcomes, key=lambda o: o.remap_ms)  # the rank everyone waited for
             direction = 1 if command.target_level > self.level else -1
             self.policy.switch.observe(direction, slowest.remap_ms)
+            arrived = direction > 0 and command.target_level >= self.policy.level
             if self.audit is not None:
-                if direction > 0:
-                    self.audit.climbed(self.level, command.target_level)
-                else:
+                if arrived:  # the whole climb, from where it began, is audited as one
+                    origin = self.level if self._climb_from is None else self._climb_from
+                    self.audit.climbed(origin, command.target_level)
+                elif direction < 0:
                     self.audit.cancel()
+            if arrived or direction < 0:
+                self._climb_from = None
             self.trace.event(
                 "level_change",
                 step=step,
@@ -391,6 +416,9 @@ class OffloadController:
             self.elastic.abort_grow(command.map_groups)
             self.elastic.abort_shrink(command.unmap_groups)
             self.policy.revert(self.level)
+            self._climb_from = None
+            if self.audit is not None:
+                self.audit.cancel()
             self.trace.event(
                 "resize_failed",
                 step=step,
@@ -453,4 +481,6 @@ class OffloadController:
         fields = {"proxy": round(last.proxy_current, 4), "margin": round(last.margin, 4)}
         if last.proxy_next is not None:
             fields["proxy_next"] = round(last.proxy_next, 4)
+        if last.priced_level is not None:
+            fields["priced_level"] = last.priced_level
         return fields

@@ -58,6 +58,7 @@ class DynamicOffloadScheduler(AsyncScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._left_waiting = 0
+        self._demand_blocks = 0  # the KV blocks the requests left waiting need
         vllm_config = self.vllm_config
         extra = vllm_config.additional_config
         raw = extra.get(DynamicOffloadConfig.KEY) if isinstance(extra, dict) else None
@@ -93,8 +94,10 @@ class DynamicOffloadScheduler(AsyncScheduler):
             num_layers=num_layers,
             layer_bytes=layer_bytes,
             expected_plan=plan_report(-1, plan, layout, config.kv_layout, plan.layer_pages),
+            max_running=self.max_num_running_reqs,
         )
         block_size = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self._block_size = block_size
         self.offload.trace.event(
             "plan",
             kv_layout=config.kv_layout,
@@ -119,9 +122,16 @@ class DynamicOffloadScheduler(AsyncScheduler):
         # budget), not requests that arrived since and were never refused anything: counting
         # those would read every arrival as pressure and push the level up at light load.
         step = self.current_step + 1
-        command = self.offload.on_schedule_start(step, self._left_waiting, len(self.running))
+        command = self.offload.on_schedule_start(
+            step, self._left_waiting, len(self.running), self._demand_blocks
+        )
         output = super().schedule(*args, **kwargs)
         self._left_waiting = hacks.num_waiting(self)
+        self._demand_blocks = (
+            hacks.waiting_blocks(self, self._block_size, self.offload.plan.num_blocks)
+            if self._left_waiting
+            else 0
+        )
         self.offload.on_schedule_end(step, output.total_num_scheduled_tokens)
         setattr(output, SCHEDULER_OUTPUT_ATTR, command)
         return output

@@ -79,49 +79,96 @@ def test_the_back_off_doubles_per_loss_and_resets_when_a_level_pays() -> None:
     assert backoff.lost(2, step=4000) == 5000
 
 
+class AuditedServer:
+    """A controller under a queue (``waiting=5``) whose steps take ``ms`` and schedule
+    ``tokens``; every command is acknowledged at once. Latencies are ``measured``, so with
+    level 1 unknown the policy never climbs by itself: climbs are forced."""
+
+    def __init__(self, tmp_path, max_level: int) -> None:
+        from dynoff.policy.controller import OffloadController
+        from dynoff.policy.geometry import KVLayout, plan_capacity
+
+        plan = plan_capacity(STRIDES, 16, LAYER_BYTES, max_level=max_level, page_size=PAGE)
+        manager = make_manager(plan.num_blocks)
+        self.clock = [0.0]
+        self.policy = PolicyConfig(
+            estimator="measured",
+            cooldown_steps=0,
+            audit_window_steps=WINDOW,
+            audit_settle_steps=SETTLE,
+        )
+        self.trace_path = tmp_path / "t.jsonl"
+        self.config = DynamicOffloadConfig(policy=self.policy, trace_path=str(self.trace_path))
+        layout = KVLayout(plan.num_blocks, tuple(STRIDES), PAGE)
+        self.ctl = OffloadController(
+            self.config, plan, layout, manager.block_pool, clock=lambda: self.clock[0]
+        )
+        self.step, self.levels = 0, []
+
+    def serve(self, n: int, ms: float, tokens: int) -> None:
+        for _ in range(n):
+            self.step += 1
+            command = self.ctl.on_schedule_start(self.step, waiting=5, running=8)
+            self.clock[0] += ms / 1e3
+            self.ctl.on_schedule_end(self.step, tokens)
+            if command is not None:
+                self.ctl.on_report(ack(command, level=command.target_level))
+            self.levels.append(self.ctl.level)
+
+    def force(self, level: int, ms: float, tokens: int) -> None:
+        """Climb to ``level`` on a forced schedule, then hand the decisions back."""
+        self.ctl.config = DynamicOffloadConfig(
+            policy=self.policy, level_schedule=((self.step + 1, level),)
+        )
+        while self.ctl.level < level:
+            self.serve(1, ms, tokens)
+        self.ctl.config = self.config
+
+    def records(self) -> list[dict]:
+        self.ctl.trace.close()
+        return [json.loads(line) for line in self.trace_path.read_text().splitlines()]
+
+
 def test_the_controller_leaves_a_lost_level_and_backs_off(tmp_path) -> None:
     """A forced climb under a queue (the audit judges any climb), then 10% fewer tokens per
     second: the controller drains back to level 0 while requests still wait (held), and
     does not climb into level 1 again during the back-off."""
-    from dynoff.policy.controller import OffloadController
-    from dynoff.policy.geometry import KVLayout, plan_capacity
-
-    plan = plan_capacity(STRIDES, 16, LAYER_BYTES, max_level=1, page_size=PAGE)
-    manager = make_manager(plan.num_blocks)
-    clock = [0.0]
-    policy = PolicyConfig(  # measured latencies: level 1 unknown, so the rule never climbs
-        estimator="measured", cooldown_steps=0, audit_window_steps=WINDOW, audit_settle_steps=SETTLE
-    )
-    config = DynamicOffloadConfig(policy=policy, trace_path=str(tmp_path / "t.jsonl"))
-    layout = KVLayout(plan.num_blocks, tuple(STRIDES), PAGE)
-    ctl = OffloadController(config, plan, layout, manager.block_pool, clock=lambda: clock[0])
-    step, levels = 0, []
-
-    def serve(n: int, ms: float, tokens: int) -> None:
-        nonlocal step
-        for _ in range(n):
-            step += 1
-            command = ctl.on_schedule_start(step, waiting=5, running=8)
-            clock[0] += ms / 1e3
-            ctl.on_schedule_end(step, tokens)
-            if command is not None:
-                ctl.on_report(ack(command, level=command.target_level))
-            levels.append(ctl.level)
-
-    serve(WINDOW, 40.0, 200)
-    assert levels[-1] == 0
-    ctl.config = DynamicOffloadConfig(policy=policy, level_schedule=((step + 1, 1),))
-    serve(1, 40.0, 200)
+    server = AuditedServer(tmp_path, max_level=1)
+    server.serve(WINDOW, 40.0, 200)
+    assert server.levels[-1] == 0
+    server.force(1, 40.0, 200)
+    ctl = server.ctl
     assert ctl.level == 1 and ctl.audit is not None and ctl.audit.open
-    ctl.config = config  # the policy decides again
-    serve(SETTLE + WINDOW + 5, 46.0, 200)
+    server.serve(SETTLE + WINDOW + 5, 46.0, 200)
     assert ctl.level == 0  # left, with requests waiting
-    assert ctl.policy.backoff.blocked(1, step)
-    ctl.trace.close()
-    records = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert ctl.policy.backoff.blocked(1, server.step)
+    records = server.records()
     [audit] = [r for r in records if r.get("event") == "audit"]
     assert audit["loss"] and audit["level"] == 1
     assert "down-loss" in {r.get("decision") for r in records}
+
+
+def test_a_climb_of_several_levels_is_audited_as_one_and_a_loss_returns_to_its_start(
+    tmp_path,
+) -> None:
+    """0 -> 2 in two commands: one audit, from 0 to 2, with the window before the first
+    command (the step between the two changes is neither before nor after); a loss drains
+    both tiers back to 0 under the queue, and no climb from 0 is tried during the back-off
+    (level 1 was only passed through; the model that priced 2 above it was wrong)."""
+    server = AuditedServer(tmp_path, max_level=2)
+    server.serve(WINDOW, 40.0, 200)
+    server.force(2, 80.0, 200)  # the change steps are slow: they must not count as before
+    ctl = server.ctl
+    assert ctl.level == 2 and ctl.audit is not None and ctl.audit.open
+    server.serve(SETTLE + WINDOW + 30, 46.0, 200)
+    assert server.levels[-1] == 0 and 1 not in server.levels[-20:]
+    assert ctl.policy.backoff.blocked(1, server.step)
+    records = server.records()
+    [audit] = [r for r in records if r.get("event") == "audit"]
+    assert audit["loss"] and (audit["from_level"], audit["level"]) == (0, 2)
+    assert audit["tokens_per_s_before"] == 5000  # 200 tokens per 40 ms step, nothing else
+    changes = [r for r in records if r.get("event") == "level_change"]
+    assert [(r["from_level"], r["to_level"]) for r in changes] == [(0, 1), (1, 2), (2, 1), (1, 0)]
 
 
 def test_the_guard_on_the_h200_long_prompt_run() -> None:

@@ -88,7 +88,8 @@ def test_prefix_hashes_are_seen_and_evicted() -> None:
 
 
 def test_requests_the_scheduler_skipped_count_as_waiting(tmp_path) -> None:
-    """``skipped_waiting`` is a request queue of vLLM's own scheduler, beside ``waiting``."""
+    """``skipped_waiting`` is a request queue of vLLM's own scheduler, beside ``waiting``;
+    the KV the waiting requests need comes from ``Request.num_tokens``."""
     from tests.policy.test_scheduler import build
 
     scheduler = build(tmp_path, schedule=[])
@@ -96,4 +97,9 @@ def test_requests_the_scheduler_skipped_count_as_waiting(tmp_path) -> None:
     scheduler.skipped_waiting.add_request(make_request(list(range(BLOCK_SIZE))))
     scheduler.add_request(make_request(list(range(BLOCK_SIZE))))
     assert hacks.num_waiting(scheduler) == 2
+    # Their KV: one block each for the prompt and one for the next token.
+    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100) == 4
+    scheduler.add_request(make_request(list(range(3 * BLOCK_SIZE + 1))))
+    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100) == 8
+    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=5) == 5  # stops at the limit
     scheduler.shutdown()

@@ -361,7 +361,7 @@ def sustainable(result: dict[str, Any], ttft_bound_ms: float) -> bool:
 
 
 def predict(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """Max sustainable ShareGPT rate of stock and of the plugin on each link (a staircase
+    """Max sustainable rate of stock and of the plugin on each link (a staircase
     of ``--rates``, each a fresh ``--seconds`` Poisson trace), and their ratio."""
     import shlex
     import subprocess
@@ -371,7 +371,7 @@ def predict(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     traces = {}
     for rate in args.rates:
         path = tmp / f"r{rate}.jsonl"
-        spec = f"poisson --rate {rate} --seconds {args.seconds}"
+        spec = f"poisson --workload {args.workload} --rate {rate} --seconds {args.seconds}"
         cmd = [sys.executable, "-m", "bench.traces", *shlex.split(spec), "--out", str(path)]
         subprocess.run(cmd, check=True, capture_output=True)
         traces[rate] = read_trace(str(path))
@@ -399,7 +399,7 @@ def predict(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             else None
         )
         rows[f"plugin_{link:g}GBps"] = plugin
-    return {"predictions": {"qwen3-32b_sharegpt": rows}}
+    return {"predictions": {f"qwen3-32b_{args.workload}": rows}}
 
 
 def main() -> None:
@@ -411,6 +411,7 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[12, 14, 16, 18, 20, 22])
     parser.add_argument("--links", type=float, nargs="+", default=[55.3, 392.0, 900.0])
     parser.add_argument("--seconds", type=int, default=60)
+    parser.add_argument("--workload", default="sharegpt", help="--predict: bench/workloads/")
     parser.add_argument("--ttft-bound-ms", type=float, default=1000.0)
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default=str(ROOT / "tests/models/qwen3-32b"))

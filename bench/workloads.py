@@ -13,6 +13,8 @@ JSON files (lengths and seeds, not text).
   questions per document built from 10 templates, shuffled; outputs uniform in [50, 150].
 * ``longprompt.json``: ~4,096-token prompts with no shared prefix, outputs uniform in
   [50, 150].
+* ``longoutput.json``: the KV-bound long-output workload: short prompts (uniform in [64,
+  512]) with outputs uniform in [1,024, 4,096], no shared prefix.
 
 A request is ``{"segments": [[seed, length], ...], "output": n}``: its prompt is the
 concatenation of each segment's ``length`` token ids drawn from ``random.Random(seed)``
@@ -117,6 +119,15 @@ def longprompt(count: int = 2000, seed: int = 0) -> dict[str, Any]:
     return {"name": "longprompt", **_stats(requests), "requests": requests}
 
 
+def longoutput(count: int = 2000, seed: int = 0) -> dict[str, Any]:
+    rng = random.Random(seed)
+    requests = [
+        {"segments": [[6_000_000 + i, rng.randint(64, 512)]], "output": rng.randint(1024, 4096)}
+        for i in range(count)
+    ]
+    return {"name": "longoutput", **_stats(requests), "requests": requests}
+
+
 def _stats(requests: list[dict[str, Any]]) -> dict[str, Any]:
     prompts = [sum(length for _, length in r["segments"]) for r in requests]
     outputs = [r["output"] for r in requests]
@@ -131,10 +142,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sharegpt-count", type=int, default=4000)
+    parser.add_argument("--only", nargs="+", help="these workloads only (default: all)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    for workload in (sharegpt(args.sharegpt_count), docqa(), longprompt()):
-        path = args.out / f"{workload['name']}.json"
+    makers = {
+        "sharegpt": lambda: sharegpt(args.sharegpt_count),
+        "docqa": docqa,
+        "longprompt": longprompt,
+        "longoutput": longoutput,
+    }
+    for name, make in makers.items():
+        if args.only and name not in args.only:
+            continue
+        workload = make()
+        path = args.out / f"{name}.json"
         path.write_text(json.dumps(workload, separators=(",", ":")) + "\n")
         summary = {k: v for k, v in workload.items() if k != "requests"}
         print(path, json.dumps(summary))

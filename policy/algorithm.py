@@ -321,7 +321,8 @@ class OffloadPolicy:
         return Decision(self.level, "warmup")
 
     def revert(self, level: int) -> None:
-        """A level change failed on the workers: serve on at ``level``."""
-        self.level = level
+        """A level change failed on the workers: serve on at ``level`` (the target stays
+        within ``max_level``, which an operator's cap may have lowered below it)."""
+        self.level = min(level, self.max_level)
         if self._lost is not None and self._lost != level:
             self._lost = None

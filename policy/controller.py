@@ -30,6 +30,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 
@@ -116,6 +117,11 @@ class OffloadController:
         self._decision = "hold"
         self._last: Decision | None = None
         self._climb_from: int | None = None  # where a climb of several levels began
+        # The operator's controls (the status endpoint): a pinned level, a cap on the level.
+        self.pin: int | None = None
+        self.cap: int | None = None
+        self.control_applied = 0  # the number of the last control request applied
+        self.control_error: str | None = None
         self._hold_drain = False  # the descent under way was decided under pressure
         policy = config.policy
         self.audit = (
@@ -280,10 +286,13 @@ class OffloadController:
         self, step: int, waiting: int, running: int, demand_blocks: int | None
     ) -> OffloadCommand | None:
         forced = self.config.forced_level(step)
-        if forced is not None:
-            target = min(forced, self.plan.max_level)
-            self.policy.level = target
+        if forced is None and self.pin is not None:
+            forced, self._decision = self.pin, "pinned"
+        elif forced is not None:
             self._decision = "forced"
+        if forced is not None:
+            target = min(forced, self.policy.max_level)
+            self.policy.level = target
         else:
             usage = self.elastic.pool.get_usage()
             auditing = self.audit is not None and self.audit.open
@@ -301,9 +310,11 @@ class OffloadController:
             groups = self.elastic.begin_grow(self.plan.tier(self.level))
             return self._issue(step, self.level + 1, map_=groups)
         if target < self.level:
-            if self._decision in ("down", "down-pressure", "down-loss", "forced"):
-                # A new descent (not the rest of one): held if decided under pressure.
-                self._hold_drain = self._decision in ("down-pressure", "down-loss")
+            operator = self._decision == "pinned" or self.level > self.policy.max_level
+            if operator or self._decision in ("down", "down-pressure", "down-loss", "forced"):
+                # A new descent (not the rest of one): held (never aborted for want of free
+                # blocks) if decided under pressure or by the operator.
+                self._hold_drain = operator or self._decision in ("down-pressure", "down-loss")
             if self._decision == "down-pressure":
                 logger.info(
                     "dynamic offload: level %d costs more time than its KV saves under "
@@ -450,6 +461,72 @@ class OffloadController:
             "the KV free list ran dry" if why == "ran dry" else why,
             self.level,
         )
+
+    # -- the operator ---------------------------------------------------------------------------
+    def operate(self, seq: int, pin: int | None, cap: int | None) -> None:
+        """An operator's request (the status endpoint): serve at ``pin`` (None: the policy
+        decides) with no level above ``cap`` (None: the plan's maximum). A request outside
+        the plan is refused (``control_error``) and changes nothing. Takes effect at the next
+        decision; a level above the cap drains like any lowering."""
+        top = self.plan.max_level
+        error = None
+        if cap is not None and not 0 <= cap <= top:
+            error = f"cap {cap} is outside this server's levels 0..{top}"
+        elif pin is not None and not 0 <= pin <= (top if cap is None else cap):
+            error = f"pin {pin} is outside levels 0..{top if cap is None else cap}"
+        self.control_applied, self.control_error = seq, error
+        if error is not None:
+            logger.warning("dynamic offload: operator request %d refused: %s", seq, error)
+            self.trace.live.dirty = True
+            return
+        unpinned = self.pin is not None and pin is None
+        self.pin, self.cap = pin, cap
+        self.policy.max_level = top if cap is None else cap
+        if unpinned or self.policy.level > self.policy.max_level:
+            # The policy decides again from where the workers are, within the cap.
+            self.policy.level = min(self.level, self.policy.max_level)
+            self.policy.cooldown = 0
+        self.trace.event("operator", seq=seq, pin=pin, cap=cap)
+        logger.info(
+            "dynamic offload: operator request %d: %s, levels up to %d",
+            seq,
+            "policy decides" if pin is None else f"pinned at level {pin}",
+            self.policy.max_level,
+        )
+
+    def status(self, block_size: int) -> dict[str, Any]:
+        """The state the status board publishes: the trace's live view, the plan, the
+        operator's controls, and C_k and L_k at every level as the policy prices them."""
+        mix = tuple(self._mix) if self.config.policy.proxy == "model" else ()
+        levels = []
+        for k in range(self.plan.max_level + 1):
+            latency = self.estimator.estimate(k, mix)
+            levels.append(
+                {
+                    "level": k,
+                    "capacity_blocks": self.plan.capacity_blocks(k),
+                    "latency_ms": None if latency is None else round(latency, 3),
+                    "samples": self.estimator.samples(k),
+                }
+            )
+        live = self.trace.live.as_dict()
+        return {
+            **live,
+            "level": self.level,
+            "target": self.policy.level,
+            "max_level": self.plan.max_level,
+            "cap": self.cap,
+            "pin": self.pin,
+            "rule": self.config.policy.rule,
+            "block_size": block_size,
+            "capacity_blocks": self.elastic.capacity_blocks,
+            "capacity_tokens": self.elastic.capacity_blocks * block_size,
+            "inflight": self.inflight is not None,
+            "levels": levels,
+            "control": {"applied": self.control_applied, "error": self.control_error},
+            "priced_GBps": self.h2d_GBps,
+            "piecewise_penalty_ms": self.piecewise_penalty_ms,
+        }
 
     def _record(self, step: int, waiting: int, running: int) -> None:
         pool = self.elastic.pool

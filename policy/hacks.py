@@ -22,8 +22,8 @@ elastic pool (:mod:`.block_pool`) keeps blocks out of circulation by editing it 
 6. ``BlockPool.cached_block_hash_to_block._cache``: the prefix map's storage (a block or a
    ``{block_id: block}`` dict per hash), read by the invariant checks only.
 7. ``Scheduler.skipped_waiting``: the requests a schedule skipped (beside ``waiting``),
-   counted as pressure; with ``Request.num_tokens`` (prompt and output so far), the KV
-   they wait for.
+   counted as pressure; with ``Request.num_prompt_tokens`` and ``max_tokens``, the KV
+   they may need.
 """
 
 from __future__ import annotations
@@ -94,13 +94,16 @@ def num_waiting(scheduler: Any) -> int:
 
 
 def waiting_blocks(scheduler: Any, block_size: int, limit: int) -> int:
-    """KV blocks the waiting requests need to run (7): each one's tokens so far plus the
-    next, in blocks (prefix-cache hits not subtracted: the bound is an upper one). The sum
-    stops once it reaches ``limit``, so a long queue costs no more than a short one."""
+    """KV blocks the waiting requests may need before they finish (7): each one's prompt
+    and ``max_tokens`` of output (vLLM sets it for every request), in blocks; an upper
+    bound (prefix-cache hits and early stops not subtracted). A request's footprint, not
+    its prompt, is what a level's KV must hold: a short prompt with a long answer grows
+    for thousands of steps. The sum stops once it reaches ``limit``, so a long queue costs
+    no more than a short one."""
     total = 0
     for queue in (scheduler.waiting, scheduler.skipped_waiting):
         for request in queue:
-            total += request.num_tokens // block_size + 1
+            total += (request.num_prompt_tokens + request.max_tokens) // block_size + 1
             if total >= limit:
                 return limit
     return total

@@ -37,6 +37,7 @@ from dynoff.policy.geometry import (
     uses_v2_runner,
 )
 from dynoff.policy.messages import RUNNER_OUTPUT_ATTR, SCHEDULER_OUTPUT_ATTR
+from dynoff.policy.status import StatusBoard, board_dir
 
 logger = init_logger("vllm.dynoff.scheduler")
 
@@ -98,6 +99,11 @@ class DynamicOffloadScheduler(AsyncScheduler):
         )
         block_size = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self._block_size = block_size
+        self.board: StatusBoard | None = None
+        try:
+            self.board = StatusBoard(board_dir(vllm_config.instance_id))
+        except (OSError, ValueError) as e:
+            logger.warning("dynamic offload: no status board (metrics, endpoint): %s", e)
         self.offload.trace.event(
             "plan",
             kv_layout=config.kv_layout,
@@ -122,6 +128,8 @@ class DynamicOffloadScheduler(AsyncScheduler):
         # budget), not requests that arrived since and were never refused anything: counting
         # those would read every arrival as pressure and push the level up at light load.
         step = self.current_step + 1
+        if self.board is not None and (control := self.board.poll_control()) is not None:
+            self.offload.operate(int(control["seq"]), control.get("pin"), control.get("cap"))
         command = self.offload.on_schedule_start(
             step, self._left_waiting, len(self.running), self._demand_blocks
         )
@@ -134,6 +142,7 @@ class DynamicOffloadScheduler(AsyncScheduler):
         )
         self.offload.on_schedule_end(step, output.total_num_scheduled_tokens)
         setattr(output, SCHEDULER_OUTPUT_ATTR, command)
+        self._publish()
         return output
 
     def update_from_output(
@@ -142,9 +151,24 @@ class DynamicOffloadScheduler(AsyncScheduler):
         report = getattr(model_runner_output, RUNNER_OUTPUT_ATTR, None)
         if report is not None:
             self.offload.on_report(report)
+            self._publish()
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _publish(self) -> None:
+        """The state on the status board: periodically, and at once after a change."""
+        live = self.offload.trace.live
+        if self.board is None or not (live.dirty or self.board.due()):
+            return
+        live.dirty = False
+        try:
+            self.board.publish(self.offload.status(self._block_size))
+        except OSError as e:  # observability never stops serving
+            logger.warning("dynamic offload: status board disabled: %s", e)
+            self.board = None
 
     def shutdown(self) -> None:
         logger.info("dynamic offload: %s", self.offload.trace.summary())
         self.offload.trace.close()
+        if self.board is not None:
+            self.board.close()
         super().shutdown()

@@ -15,6 +15,8 @@ from typing import Any, TextIO
 
 import torch
 
+from dynoff.policy.status import LiveStatus
+
 try:
     import nvtx as _nvtx
 except ImportError:  # pragma: no cover - a declared dependency; only profiling needs it
@@ -97,6 +99,7 @@ class TraceWriter:
             self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as we do
         self._t0 = time.monotonic()
         self.running = TraceSummary()
+        self.live = LiveStatus()  # what the status board publishes
 
     @property
     def enabled(self) -> bool:
@@ -115,6 +118,7 @@ class TraceWriter:
 
     def _write(self, record: dict[str, Any]) -> None:
         self.running.add(record)
+        self.live.add(record)
         if self._file is not None:
             record = {"t": round(time.monotonic() - self._t0, 4), **record}
             self._file.write(json.dumps(record) + "\n")

@@ -97,9 +97,9 @@ def test_requests_the_scheduler_skipped_count_as_waiting(tmp_path) -> None:
     scheduler.skipped_waiting.add_request(make_request(list(range(BLOCK_SIZE))))
     scheduler.add_request(make_request(list(range(BLOCK_SIZE))))
     assert hacks.num_waiting(scheduler) == 2
-    # Their KV: one block each for the prompt and one for the next token.
-    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100) == 4
+    # Their KV at most: a block-sized prompt and max_tokens=16 of output, 3 blocks each.
+    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100) == 6
     scheduler.add_request(make_request(list(range(3 * BLOCK_SIZE + 1))))
-    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100) == 8
+    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100) == 6 + 5
     assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=5) == 5  # stops at the limit
     scheduler.shutdown()

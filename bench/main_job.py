@@ -3,7 +3,7 @@ by vLLM's own benchmark client (``vllm bench serve``) over HTTP.
 
 An 8-layer Llama config with dummy weights and the synthetic tokenizer
 (:mod:`bench.synth_tokenizer`), 4 MiB of KV cache at level 0, and a bursty ShareGPT-length
-trace (a lull, a burst that fills the cache, a lull). The server is vLLM's OpenAI API server
+trace (a lull, a burst that fills the cache, a light tail). The server is vLLM's OpenAI API server
 with the README's plugin flags and ``VLLM_PLUGINS=dynamic_offload`` (the plugin's metrics
 and its status endpoint). While the client runs, the job reads the status endpoint; after
 it, it prints the benchmark's summary, the levels the server went through, and the plugin's
@@ -129,14 +129,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dynoff-main-"))
     model = model_dir(workdir, args.layers)
     requests = workdir / "requests.jsonl"
-    phases = traces.phases_bursty(0.5, args.burst_rate, lull_s=3, burst_s=args.burst_s, cycles=1)
+    phases = [
+        traces.Phase(0.5, 3.0),
+        traces.Phase(args.burst_rate, args.burst_s),
+        traces.Phase(0.3, args.tail_s),  # a light tail: the level comes back down
+    ]
     count = traces.write(requests, traces.trace("sharegpt", phases, seed=args.seed))
     started = time.monotonic()
     server, port, log = start_server(model, workdir, PLUGIN, server_env())
     try:
         serve_bench.wait_ready(server, port, log, args.ready_timeout_s)
         print(f"[main job] vllm serve with the plugin is up in {time.monotonic() - started:.0f} s")
-        print(f"[main job] vllm bench serve: {count} requests (a lull, a burst, a lull)")
+        print(f"[main job] vllm bench serve: {count} requests (a lull, a burst, a light tail)")
         watcher = StatusWatcher(port)
         watcher.start()
         client = subprocess.run(
@@ -167,8 +171,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--burst-rate", type=float, default=6.0)
-    parser.add_argument("--burst-s", type=float, default=8.0)
+    parser.add_argument("--burst-rate", type=float, default=4.0)
+    parser.add_argument("--burst-s", type=float, default=5.0)
+    parser.add_argument("--tail-s", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     parser.add_argument("--workdir", default=None)

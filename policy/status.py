@@ -16,7 +16,9 @@ vLLM's ``instance_id`` (the same in both processes, from the one ``VllmConfig``)
   the scheduler before each step when it changed.
 
 The directory is ``$DYNOFF_STATUS_DIR`` or the system's temporary directory, mode 0700:
-only the server's user reads or steers it. It is removed at the scheduler's shutdown.
+only the server's user reads or steers it. It is removed when the scheduler shuts down or
+its process exits, and, if the process was killed outright, by the next server's scheduler
+(:func:`remove_stale_boards`).
 
 :class:`LiveStatus` keeps the state from the controller's trace records (every step and
 every event pass through it, whether or not a trace file is configured).
@@ -24,6 +26,7 @@ every event pass through it, whether or not a trace file is configured).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -92,6 +95,35 @@ def write_control(directory: Path, pin: int | None, cap: int | None) -> int:
     return seq
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_boards(base: Path, max_age_s: float = 86_400.0) -> None:
+    """Boards whose scheduler is gone: its process (``pid`` in the status) no longer runs,
+    or, never published, older than ``max_age_s``. A server killed outright (SIGKILL) has
+    no chance to remove its own."""
+    for directory in base.glob("vllm-dynoff-*"):
+        status = read_status(directory)
+        pid = status.get("pid") if status else None
+        try:
+            stale = (
+                not _alive(pid)
+                if isinstance(pid, int)
+                else time.time() - directory.stat().st_mtime > max_age_s
+            )
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 class StatusBoard:
     """The scheduler's end of the board."""
 
@@ -101,7 +133,9 @@ class StatusBoard:
         self.directory = directory
         self.interval_s = interval_s
         self.clock = clock
+        remove_stale_boards(directory.parent)
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        atexit.register(self.close)  # also when vLLM stops the engine without a shutdown()
         self._published_at: float | None = None
         self._control_mtime: int | None = None
         self._checked_at: float | None = None
@@ -112,7 +146,8 @@ class StatusBoard:
         return self._published_at is None or now - self._published_at >= self.interval_s
 
     def publish(self, status: dict[str, Any]) -> None:
-        _write_atomic(self.directory / "status.json", {"version": STATUS_VERSION, **status})
+        payload = {"version": STATUS_VERSION, "pid": os.getpid(), **status}
+        _write_atomic(self.directory / "status.json", payload)
         self._published_at = self.clock()
 
     def poll_control(self, every_s: float = 0.1) -> dict[str, Any] | None:

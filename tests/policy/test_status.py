@@ -48,9 +48,29 @@ def test_the_board_is_private_to_the_server_and_named_after_its_instance(
     assert os.stat(directory).st_mode & 0o777 == 0o700
     assert read_status(directory) is None
     board.publish({"level": 1})
-    assert read_status(directory) == {"version": 1, "level": 1}
+    assert read_status(directory) == {"version": 1, "pid": os.getpid(), "level": 1}
     board.close()
     assert not directory.exists()
+
+
+def test_a_board_whose_scheduler_is_gone_is_removed_by_the_next(tmp_path, monkeypatch) -> None:
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("DYNOFF_STATUS_DIR", str(tmp_path))
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+    )
+    dead = StatusBoard(board_dir("dead1"))
+    dead.publish({"level": 0})
+    status = json.loads((dead.directory / "status.json").read_text())
+    status["pid"] = int(gone.stdout)  # a process that has exited
+    (dead.directory / "status.json").write_text(json.dumps(status))
+    live = StatusBoard(board_dir("live1"))
+    live.publish({"level": 0})
+    StatusBoard(board_dir("new01"))
+    assert not dead.directory.exists()  # its scheduler is gone
+    assert live.directory.exists()  # this process still runs
 
 
 def test_a_control_request_is_read_once_and_numbered(tmp_path) -> None:

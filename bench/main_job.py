@@ -3,7 +3,8 @@ by vLLM's own benchmark client (``vllm bench serve``) over HTTP.
 
 An 8-layer Llama config with dummy weights and the synthetic tokenizer
 (:mod:`bench.synth_tokenizer`), 4 MiB of KV cache at level 0, and a bursty ShareGPT-length
-trace (a lull, a burst that fills the cache, a light tail). The server is vLLM's OpenAI API server
+trace (a lull, a burst that fills the cache, a lull), then a light tail of single
+requests, under which the level comes back down. The server is vLLM's OpenAI API server
 with the README's plugin flags and ``VLLM_PLUGINS=dynamic_offload`` (the plugin's metrics
 and its status endpoint). While the client runs, the job reads the status endpoint; after
 it, it prints the benchmark's summary, the levels the server went through, and the plugin's
@@ -129,18 +130,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dynoff-main-"))
     model = model_dir(workdir, args.layers)
     requests = workdir / "requests.jsonl"
-    phases = [
-        traces.Phase(0.5, 3.0),
-        traces.Phase(args.burst_rate, args.burst_s),
-        traces.Phase(0.3, args.tail_s),  # a light tail: the level comes back down
-    ]
+    phases = traces.phases_bursty(0.5, args.burst_rate, lull_s=3, burst_s=args.burst_s, cycles=1)
     count = traces.write(requests, traces.trace("sharegpt", phases, seed=args.seed))
     started = time.monotonic()
     server, port, log = start_server(model, workdir, PLUGIN, server_env())
     try:
         serve_bench.wait_ready(server, port, log, args.ready_timeout_s)
         print(f"[main job] vllm serve with the plugin is up in {time.monotonic() - started:.0f} s")
-        print(f"[main job] vllm bench serve: {count} requests (a lull, a burst, a light tail)")
+        print(f"[main job] vllm bench serve: {count} requests (a lull, a burst, a lull)")
         watcher = StatusWatcher(port)
         watcher.start()
         client = subprocess.run(
@@ -148,10 +145,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             capture_output=True,
             text=True,
         )
-        time.sleep(1.5)  # the last change reaches the board and the metrics
-        watcher.finish()
         if client.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed:\n{client.stderr[-4000:]}")
+        print(f"[main job] a light tail: {args.tail} requests, one at a time")
+        body = {"model": str(model), "prompt": "t5 t6 t7 t8", "max_tokens": 128}
+        for _ in range(args.tail):  # low pressure: the policy steps the level back down
+            main_tail = post_json(port, "/v1/completions", {**body, "ignore_eos": True})
+            assert main_tail["choices"], main_tail
+        time.sleep(1.5)  # the last change reaches the board and the metrics
+        watcher.finish()
         metrics = plugin_metrics(port)
         status = get_json(port, "/dynamic_offload/status")
     finally:
@@ -173,7 +175,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--burst-rate", type=float, default=4.0)
     parser.add_argument("--burst-s", type=float, default=5.0)
-    parser.add_argument("--tail-s", type=float, default=20.0)
+    parser.add_argument("--tail", type=int, default=6, help="light-tail requests")
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     parser.add_argument("--workdir", default=None)

@@ -29,11 +29,13 @@ class PolicyConfig:
     """Parameters of the offload policy and its estimators.
 
     Attributes:
-        rule: ``"priced"`` (default): climb only when the completely priced next level (its
-            exposed copies and piecewise penalty through the latency model, and the stall
-            of changing in and out amortised over the hold horizon) beats the current one
-            by ``climb_margin``; audit each climb by the tokens per second it served, and
-            leave a level that measured as a loss, with a growing back-off
+        rule: ``"priced"`` (default): climb only when the best completely priced level in
+            reach (k+1, k+2, k+4, ..., M: its exposed copies and piecewise penalty through
+            the latency model, the stalls of changing in and out amortised over the hold
+            horizon, and no more KV counted than the waiting requests need) beats the
+            current one by ``climb_margin``; audit each climb by the tokens per second it
+            served, and go back from a level that measured as a loss, with a growing
+            back-off
             (:mod:`dynoff.policy.pricing`, :mod:`dynoff.policy.audit`). ``"seed"``: the
             seed's Algorithm 1 as written (an unmeasured level counts as free, so it
             explores upward under any queue).
@@ -70,7 +72,7 @@ class PolicyConfig:
             list runs dry. Off by default: not yet measured in serving on a GPU.
         descend_margin: how much more KV per ms the level below must serve (0.05 = 5%):
             hysteresis against noise in the two estimates.
-        climb_margin: ``priced``: how much more KV per ms the next level must serve. Unset:
+        climb_margin: ``priced``: how much more KV per ms a higher level must serve. Unset:
             from the measured noise of the proxy (twice the standard error of the latency
             fit's mean over the mix), at least ``min_climb_margin``.
         min_climb_margin: the floor of the measured margin (0.01: a +0.3% edge never climbs).

@@ -19,7 +19,8 @@ Group life cycle::
     ACTIVE --begin_shrink--> DRAINING --(all blocks free)--> RECLAIMED --take_ready-->
     UNMAPPING --commit_shrink--> RETIRED          (abort_drain / abort_shrink: back to ACTIVE)
 
-Nothing here waits: a shrink that cannot complete at once drains as requests finish, and
+Nothing here waits: a shrink that cannot complete at once drains as requests finish (a
+target still held by a request is swapped for a group that has become wholly free), and
 is aborted (its blocks spliced back) if the free list runs dry meanwhile. A *held* drain
 (the policy stepping down under pressure) is not aborted: vLLM serves on with fewer free
 blocks, preempting if it must, until the draining groups are free. A block of a draining
@@ -62,6 +63,8 @@ class _Drain:
 class ElasticBlockPool:
     """Grows and shrinks a live vLLM ``BlockPool`` by whole groups (see the module doc)."""
 
+    RETARGET_EVERY = 16  # steps between looks for a free group to swap a stuck target for
+
     def __init__(
         self, pool: BlockPool, layout: KVLayout, active_groups: int, drain_lag_steps: int = 2
     ) -> None:
@@ -79,6 +82,7 @@ class ElasticBlockPool:
         )
         self._out: set[int] = set()  # block ids out of circulation
         self._drain: _Drain | None = None
+        self.retargeted = 0  # drain targets swapped for groups that became free
         # Blocks past the last whole group can never be backed: keep them out for good.
         tail = range(layout.num_groups * layout.group_blocks, layout.num_blocks)
         self._take_out(tail)
@@ -171,10 +175,14 @@ class ElasticBlockPool:
         return sum(self._in_free_queue(self.pool.blocks[b]) for b in self.layout.blocks_of(group))
 
     def poll(self, step: int) -> None:
-        """Move newly freed blocks of draining groups out; note when the drain completes."""
+        """Move newly freed blocks of draining groups out; note when the drain completes.
+        Every :attr:`RETARGET_EVERY` steps, a target still held by a request is swapped for
+        an active group that has become wholly free since (:meth:`_retarget`)."""
         drain = self._drain
         if drain is None or drain.ready_step is not None:
             return
+        if (step - drain.started_step) % self.RETARGET_EVERY == self.RETARGET_EVERY - 1:
+            self._retarget(drain)
         for g in drain.targets:
             freed = [
                 b for b in self.layout.blocks_of(g) if self._in_free_queue(self.pool.blocks[b])
@@ -185,6 +193,40 @@ class ElasticBlockPool:
             for g in drain.targets:
                 self.states[g] = GroupState.RECLAIMED
             drain.ready_step = step + self.drain_lag_steps
+
+    def _retarget(self, drain: _Drain) -> None:
+        """Swap each target that still has a block in use for an active group whose blocks
+        are all free now. The targets are chosen when the drain starts; a long request (a
+        few thousand tokens of output) can hold one of them for thousands of steps while,
+        with the load gone, whole other groups sit free. A swapped-out target takes its
+        reclaimed blocks back into the free list; the workers learn the groups only when
+        the drain is complete."""
+        stuck = [
+            g
+            for g in drain.targets
+            if any(b not in self._out for b in self.layout.blocks_of(g)) and not self._group_free(g)
+        ]
+        if not stuck:
+            return
+        null_group = 0
+        targets = set(drain.targets)
+        spare = [
+            g
+            for g in reversed(self.groups_in(GroupState.ACTIVE))
+            if g != null_group and g not in targets and self._group_free(g)
+        ]
+        swaps = list(zip(stuck, spare, strict=False))
+        if not swaps:
+            return
+        for old, new in swaps:
+            self.states[old] = GroupState.ACTIVE
+            self._put_back([b for b in self.layout.blocks_of(old) if b in self._out])
+            self.states[new] = GroupState.DRAINING
+            targets.discard(old)
+            targets.add(new)
+        drain.targets = tuple(sorted(targets))
+        drain.blocks = frozenset(b for g in drain.targets for b in self.layout.blocks_of(g))
+        self.retargeted += len(swaps)
 
     def overdue(self, step: int, limit_steps: int) -> bool:
         """A drain still waiting for blocks ``limit_steps`` steps after it began."""

@@ -123,6 +123,32 @@ def test_shrink_takes_free_groups_at_once_and_drains_the_rest() -> None:
     assert elastic.invariant_violations() == []
 
 
+def test_a_drain_held_up_by_a_long_request_moves_to_a_group_freed_since() -> None:
+    """A long-output request holds a block of the target for thousands of steps while the
+    rest of the load finishes: the drain swaps that target for a group that has become
+    wholly free, the long request keeps its block, and the drain completes."""
+    manager = make_manager(8 * GROUPS)
+    elastic = ElasticBlockPool(manager.block_pool, layout(8 * GROUPS), active_groups=4)
+    short = make_request(list(range(16 * BLOCK_SIZE)))  # blocks 1..16: groups 0..2
+    long = make_request(list(range(5000, 5000 + 8 * BLOCK_SIZE)))  # 17..24: groups 2, 3
+    assert manager.allocate_slots(short, 16 * BLOCK_SIZE) is not None
+    assert manager.allocate_slots(long, 8 * BLOCK_SIZE) is not None
+    assert elastic.begin_shrink(1, step=0) == (3,)  # the most free blocks: 25..31
+    manager.free(short)  # group 1 (blocks 8..15) is now wholly free; group 3 is not
+    for step in range(1, ElasticBlockPool.RETARGET_EVERY - 1):
+        elastic.poll(step)
+        assert elastic.drain_targets == (3,)  # no look before the retarget step
+    elastic.poll(ElasticBlockPool.RETARGET_EVERY - 1)
+    assert elastic.drain_targets == (1,) and elastic.retargeted == 1
+    assert elastic.groups_in(GroupState.RECLAIMED) == [1]
+    assert elastic.states[3] is GroupState.ACTIVE
+    assert set(manager.get_block_ids(long.request_id)[0]) == set(range(17, 25))  # untouched
+    assert elastic.take_ready(step=99) == (1,)
+    elastic.commit_shrink((1,))
+    assert manager.block_pool.num_gpu_blocks == 24
+    assert elastic.invariant_violations() == []
+
+
 def test_abort_splices_reclaimed_blocks_back() -> None:
     manager = make_manager(8 * GROUPS)
     elastic = ElasticBlockPool(manager.block_pool, layout(8 * GROUPS), active_groups=3)

@@ -5,6 +5,8 @@
 #   bash bench/gpu/no_harm.sh SYSTEM MODEL REGIME "WORKLOAD: TRACE-ARGS" ["WORKLOAD: TRACE-ARGS" ...]
 #   e.g. bash bench/gpu/no_harm.sh plugin qwen3-32b b "bursty: bursty --lull-s 15 --burst-s 30 --cycles 1" \
 #          "sharegpt: poisson --rate 16 --seconds 60"
+# PLUGIN_CONFIG='{"home": "device", ...}' (environment) adds to the plugin's configuration, e.g.
+# the fast-link emulation of issue 22.
 # SYSTEM: stock | plugin. REGIME a = gpu_memory_utilization 0.9, b = 0.62. TRACE-ARGS go to
 # bench.traces (shape first: poisson | bursty). Writes $OUT/<system>_<regime>_<workload>_<n>_h200.json
 # per point and the server's log. The compile cache lives under /tmp/site, which survives between
@@ -29,8 +31,10 @@ for spec in "$@"; do
   points+=(--trace "$trace" --point "$point" --out "$OUT/${system}_${regime}_${workload}_${n}_h200.json")
   n=$((n + 1))
 done
+extra=()
+[ -z "${PLUGIN_CONFIG:-}" ] || extra=(--plugin-config "$PLUGIN_CONFIG")
 python3 -m bench.serve_bench --system "$system" --model "/tmp/site/models/$model" \
-  --gpu-memory-utilization "$util" "${points[@]}" --log "$OUT/${system}_server.log"
+  --gpu-memory-utilization "$util" "${points[@]}" "${extra[@]}" --log "$OUT/${system}_server.log"
 rc=$?
 grep -h "dynamic offload\|Available KV\|KV cache size\|Actual usage" "$OUT/${system}_server.log" | cut -c1-400 | tail -30
 exit $rc

@@ -13,6 +13,8 @@ The runtime (every step, and every level change):
 - :mod:`.runtime`    the depth and engine the ops read at run time; graph-dispatch counts
 - :mod:`.prefetch`   copy stream, events, pinned sources, the region ledger, NVTX ranges
 - :mod:`.placement`  weights packed into VMM ranges; raising/lowering the depth by remapping
+- :mod:`.homes`      where offloaded layers live between uses (pinned host, or device memory
+                     beyond the budget with paced copies: the fast-link emulation)
 - :mod:`.levels`     one rank's level change as a transaction, agreed across ranks
 - :mod:`.timing`     per-step forward times (CUDA events)
 - :mod:`.calibrate`  the start-up measurements the policy prices with

@@ -31,7 +31,7 @@ Qwen3-32B layer copies in 17.7 ms against a 25-40 ms decode step: almost never):
                           C'_j / (L_j + (j - k) (S_up + S_down) / H) > (1 + m_j) · C_k / L_k:
                           k = j                                            ("up")
                      [elif descend_under_pressure ...: k -= 1]
-    low pressure:    as the seed
+    low pressure:    k = the lowest level at which the KV in use stays under τ_l ("down")
 
 L comes from the latency model over the recent step mix (exposed copies and the piecewise
 penalty included; L_j over the mix with C_j/C_k times the decode tokens, the requests the
@@ -257,8 +257,20 @@ class OffloadPolicy:
                 return Decision(self.level, "hold", current, None, self.margin(len(mix)))
             return Decision(self.level, "hold", current, best[0], best[2], best[1])
         if pressure.kv_utilization < cfg.low_threshold and self.level > 0:
-            return self._move(-1, "down")
+            return self._move(self._low_target(pressure.kv_utilization) - self.level, "down")
         return Decision(self.level, "hold")
+
+    def _low_target(self, utilization: float) -> int:
+        """Low pressure: the lowest level below k at which the blocks in use now still sit
+        under τ_l (at least k - 1). Every level above it holds KV nobody uses and costs its
+        copies on every step; stepping down one level per cooldown would keep paying them
+        for cooldown x k steps after a burst. Staying under τ_l there keeps it low
+        pressure, so the descent cannot turn into a climb."""
+        used = utilization * self.capacity_blocks(self.level)
+        target = self.level - 1
+        while target > 0 and used < self.config.low_threshold * self.capacity_blocks(target - 1):
+            target -= 1
+        return target
 
     def _seed(self, pressure: Pressure, high: bool) -> Decision:
         cfg = self.config

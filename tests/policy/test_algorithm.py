@@ -118,3 +118,21 @@ def test_the_margin_keeps_a_near_tie_where_it_is() -> None:
         for _ in range(3):
             policy.estimator.observe(1, 46.0, DECODE)
         assert run(policy, [HIGH]) == [expected]
+
+
+def test_the_priced_rule_descends_at_once_as_far_as_the_kv_in_use_allows() -> None:
+    """Low pressure after a burst: 300 blocks in use at level 4 (3,000 blocks, U = 0.10).
+    They stay under τ_l = 0.5 at every level down to 0 (1,000 blocks): one decision takes
+    the target there, not one level per cooldown. With 700 in use (U = 0.23), level 0 would
+    hold them at 0.70, above τ_l: the target is level 1 (1,500 blocks, 0.47)."""
+    config = PolicyConfig(cooldown_steps=50, estimator="measured", proxy="decode")
+    policy = OffloadPolicy(config, 4, capacity, LatencyEstimator(config))
+    policy.level = 4
+    decision = policy.decide(Pressure(waiting=0, kv_utilization=300 / 3000, mix=(DECODE,)))
+    assert (decision.level, decision.reason) == (0, "down")
+    policy.level, policy.cooldown = 4, 0
+    decision = policy.decide(Pressure(waiting=0, kv_utilization=700 / 3000, mix=(DECODE,)))
+    assert (decision.level, decision.reason) == (1, "down")
+    policy.level, policy.cooldown = 4, 0
+    decision = policy.decide(Pressure(waiting=0, kv_utilization=0.45, mix=(DECODE,)))
+    assert decision.level == 3  # 1,350 in use: only one level down stays under τ_l

@@ -90,10 +90,101 @@ class StepModel:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """One GPU of a machine, as the scaled step model sees it."""
+
+    memory_bytes: float  # as the driver reports it
+    hbm_TBps: float
+    bf16_TFLOPs: float  # dense
+    link_GBps: float  # host <-> this GPU
+    nvlink_GBps: float = 450.0  # GPU <-> GPU, one direction (tensor-parallel all-reduces)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """What the scaled step model needs of a model (``config_dir`` for vLLM's scheduler)."""
+
+    config_dir: str
+    num_layers: int
+    params: float
+    decoder_weight_bytes: float  # as served (fp8: a byte per parameter)
+    other_weight_bytes: float  # embeddings, lm_head, norms
+    kv_bytes_per_token: int  # every layer, every KV head, bf16
+    hidden: int
+    fp8: bool = False
+
+
+MACHINES = {
+    "h200": Machine(150.3e9, 4.8, 989.0, 55.3),
+    "gh200": Machine(102.6e9, 4.0, 989.0, 392.0),  # 96 GB HBM3; NVLink-C2C as the seed measured
+    "gb200": Machine(198.7e9, 8.0, 2250.0, 900.0),
+}
+MODELS = {
+    "qwen3-32b": ServedModel("tests/models/qwen3-32b", 64, 32.76e9, 62.41e9, 3.11e9, 262_144, 5120),
+    "llama-3.1-70b-fp8": ServedModel(
+        "tests/models/llama-3.1-70b", 80, 70.55e9, 68.45e9, 4.20e9, 327_680, 8192, fp8=True
+    ),
+}
+# The reference every other (machine, model, TP) is scaled from: the H200's Qwen3-32B.
+REFERENCE = StepModel()
+RESERVED_BYTES = 2.1e9  # activations and CUDA graphs beside weights and KV (H200, Qwen3-32B)
+
+
+def scaled_step_model(
+    machine: Machine, model: ServedModel, tp: int = 1, link_GBps: float | None = None
+) -> StepModel:
+    """A **scaled** step model (no calibration of its own): the H200's Qwen3-32B figures,
+    with the step's fixed part scaled by the weight bytes a GPU reads over its HBM bandwidth,
+    the per-token parts by the parameters a GPU multiplies over its FLOPs (fp8: twice as
+    fast), attention's reads by the KV bytes a GPU holds per token, and, with TP > 1, two
+    all-reduces per layer (12 us each, plus each token's hidden state over NVLink). The
+    piecewise penalty scales with the layer count, a change's stall with a layer's bytes
+    on a GPU (its pages)."""
+    ref, qwen = REFERENCE, MODELS["qwen3-32b"]
+    h200 = MACHINES["h200"]
+    weights = (model.decoder_weight_bytes + model.other_weight_bytes) / tp
+    ref_weights = qwen.decoder_weight_bytes + qwen.other_weight_bytes
+    flops = (model.params / tp) / qwen.params * (h200.bf16_TFLOPs / machine.bf16_TFLOPs)
+    if model.fp8:
+        flops /= 2
+    allreduce_ms = 2 * model.num_layers * 0.012 if tp > 1 else 0.0
+    per_token_comm = (
+        2 * model.num_layers * model.hidden * 2 / (machine.nvlink_GBps * 1e9) * 1e3
+        if tp > 1
+        else 0.0
+    )
+    layer = model.decoder_weight_bytes / model.num_layers / tp
+    ref_layer = qwen.decoder_weight_bytes / qwen.num_layers
+    return StepModel(
+        num_layers=model.num_layers,
+        layer_bytes=int(layer),
+        link_GBps=machine.link_GBps if link_GBps is None else link_GBps,
+        intercept_ms=ref.intercept_ms * weights / ref_weights * h200.hbm_TBps / machine.hbm_TBps
+        + allreduce_ms,
+        ms_per_decode_token=ref.ms_per_decode_token * flops + per_token_comm,
+        ms_per_prefill_token=ref.ms_per_prefill_token * flops + per_token_comm,
+        piecewise_penalty_ms=ref.piecewise_penalty_ms * model.num_layers / qwen.num_layers,
+        stall_up_ms=ref.stall_up_ms * layer / ref_layer,
+        stall_down_ms=ref.stall_down_ms * layer / ref_layer,
+        ms_per_context_token=model.kv_bytes_per_token / tp / (machine.hbm_TBps * 0.833e12) * 1e3,
+    )
+
+
+def stock_kv_blocks(machine: Machine, model: ServedModel, tp: int, utilization: float) -> int:
+    """The KV blocks (16 tokens) stock vLLM gets on each GPU at ``utilization``."""
+    weights = (model.decoder_weight_bytes + model.other_weight_bytes) / tp
+    free = utilization * machine.memory_bytes - weights - RESERVED_BYTES
+    block = 16 * model.kv_bytes_per_token / tp
+    if free < block:
+        raise ValueError(f"no KV at {utilization}: the weights need {weights / 1e9:.1f} GB a GPU")
+    return int(free // block)
+
+
 def build_scheduler(args: argparse.Namespace, model: StepModel) -> Any:
     """vLLM's scheduler for ``args.system`` over the KV cache a worker would size."""
     import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -105,9 +196,10 @@ def build_scheduler(args: argparse.Namespace, model: StepModel) -> Any:
         model=args.model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=8192
     )
     text = model_config.hf_config
+    tp = getattr(args, "tp", 1)
     spec = FullAttentionSpec(
         block_size=16,
-        num_kv_heads=text.num_key_value_heads,
+        num_kv_heads=max(1, text.num_key_value_heads // tp),
         head_size=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
         dtype=torch.bfloat16,
     )
@@ -132,11 +224,13 @@ def build_scheduler(args: argparse.Namespace, model: StepModel) -> Any:
         config = json.loads(args.plugin_config)
         config.setdefault("policy", {}).setdefault("max_level", args.max_level)
         config.setdefault("host_page_size", GRANULE)
+        config.setdefault("layer_bytes", model.layer_bytes)  # fp8 layers are not bf16's
         extra = {"dynamic_offload": config}
     vllm_config = VllmConfig(
         model_config=model_config,
         cache_config=cache,
         scheduler_config=sched,
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
         additional_config=extra,
     )
     cache.num_gpu_blocks = num_blocks
@@ -225,9 +319,10 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
         )
         if args.system == "plugin":
             outcomes: tuple[ResizeOutcome, ...] = ()
-            if command is not None:
-                outcomes = (
-                    ResizeOutcome(command.command_id, 0, True, remap_ms=stall, driver_ms=stall),
+            if command is not None:  # every tensor-parallel rank answers
+                outcomes = tuple(
+                    ResizeOutcome(command.command_id, r, True, remap_ms=stall, driver_ms=stall)
+                    for r in range(getattr(args, "tp", 1))
                 )
             result.dynamic_offload = StepReport(  # type: ignore[attr-defined]
                 steps,
@@ -336,7 +431,7 @@ def validate(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         trace = tmp / f"{name}.jsonl"
         cmd = [sys.executable, "-m", "bench.traces", *shlex.split(trace_args), "--out", str(trace)]
         subprocess.run(cmd, check=True, capture_output=True)
-        predicted = simulate(args, StepModel(link_GBps=args.link_GBps), read_trace(str(trace)))
+        predicted = simulate(args, step_model_for(args, args.link_GBps), read_trace(str(trace)))
         measured = read_results(str(ROOT / run_path))["client"]
         errors = {k: round(predicted[k] / measured[k] - 1, 4) for k in COMPARED if measured.get(k)}
         entries.append(
@@ -380,7 +475,7 @@ def predict(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         run_args = argparse.Namespace(**{**vars(args), "system": system, "link_GBps": link})
         best, points = 0.0, []
         for rate in args.rates:
-            result = simulate(run_args, StepModel(link_GBps=link), traces[rate])
+            result = simulate(run_args, step_model_for(args, link), traces[rate])
             ok = sustainable(result, args.ttft_bound_ms)
             points.append({"rate": rate, "sustained": ok, **result})
             print(f"[simulator] {system} {link} GB/s {rate} req/s: {ok}", flush=True)
@@ -399,7 +494,36 @@ def predict(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             else None
         )
         rows[f"plugin_{link:g}GBps"] = plugin
-    return {"predictions": {f"qwen3-32b_{args.workload}": rows}}
+    name = args.served_model if args.machine is None else f"{args.served_model}_{args.machine}"
+    if args.tp > 1:
+        name += f"_tp{args.tp}"
+    rows["kv_blocks_level_0"] = args.kv_blocks
+    rows["step_model"] = dataclasses.asdict(step_model_for(args, args.link_GBps))
+    return {"predictions": {f"{name}_{args.workload}": rows}}
+
+
+def step_model_for(args: argparse.Namespace, link_GBps: float) -> StepModel:
+    """The H200's calibrated Qwen3-32B, or with ``--machine`` the scaled model."""
+    if args.machine is None:
+        return StepModel(link_GBps=link_GBps)
+    return scaled_step_model(MACHINES[args.machine], MODELS[args.served_model], args.tp, link_GBps)
+
+
+def resolve(args: argparse.Namespace) -> None:
+    """Fill what ``--machine`` / ``--served-model`` / ``--tp`` imply: the model's config, the
+    KV blocks stock gets at ``--utilization``, and the machine's link."""
+    served = MODELS[args.served_model]
+    if args.model is None:
+        args.model = str(ROOT / served.config_dir)
+    if args.machine is None:
+        if args.kv_blocks is None:
+            args.kv_blocks = 6095  # stock's KV at 0.62 on the H200 (Qwen3-32B)
+        return
+    machine = MACHINES[args.machine]
+    if args.kv_blocks is None:
+        args.kv_blocks = stock_kv_blocks(machine, served, args.tp, args.utilization)
+    if args.link_GBps is None:
+        args.link_GBps = machine.link_GBps
 
 
 def main() -> None:
@@ -414,17 +538,26 @@ def main() -> None:
     parser.add_argument("--workload", default="sharegpt", help="--predict: bench/workloads/")
     parser.add_argument("--ttft-bound-ms", type=float, default=1000.0)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--model", default=str(ROOT / "tests/models/qwen3-32b"))
-    parser.add_argument("--kv-blocks", type=int, default=6095, help="stock's KV at 0.62 (H200)")
+    parser.add_argument("--model", default=None, help="config dir (default: the served model's)")
+    parser.add_argument("--served-model", choices=sorted(MODELS), default="qwen3-32b")
+    parser.add_argument(
+        "--machine", choices=sorted(MACHINES), default=None, help="a scaled step model"
+    )
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--utilization", type=float, default=0.9, help="with --machine")
+    parser.add_argument("--kv-blocks", type=int, default=None, help="default: 6,095 (H200, 0.62)")
     parser.add_argument("--max-level", type=int, default=8)
-    parser.add_argument("--link-GBps", type=float, default=55.3)
+    parser.add_argument("--link-GBps", type=float, default=None, help="default: the machine's")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--plugin-config", default="{}")
     args = parser.parse_args()
     from bench.common import write_results
 
-    model = StepModel(link_GBps=args.link_GBps)
+    if args.machine is None and args.link_GBps is None:
+        args.link_GBps = 55.3
+    resolve(args)
+    model = step_model_for(args, args.link_GBps)
     if args.validate:
         import tempfile
 
@@ -438,9 +571,16 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as tmp:
             result = predict(args, Path(tmp))
+        version = (
+            "the H200-calibrated Qwen3-32B at a GH200-sized KV cache (stock's blocks at "
+            "0.62); links are emulated by the step model"
+            if args.machine is None
+            else f"a SCALED step model (scaled_step_model): {args.served_model} on "
+            f"{args.machine}, TP {args.tp}, stock's KV at {args.utilization}: "
+            f"{args.kv_blocks} blocks a GPU"
+        )
         result.update(
-            version="first: the H200-calibrated Qwen3-32B at a GH200-sized KV cache (stock's "
-            "blocks at 0.62); links are emulated by the step model",
+            version=version,
             ttft_bound_ms=args.ttft_bound_ms,
             model=dataclasses.asdict(model),
         )

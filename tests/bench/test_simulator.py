@@ -57,3 +57,28 @@ def test_the_defaults_climb_only_where_the_link_makes_a_level_pay(tmp_path: Path
         assert max(plugin["levels_visited"]) >= 1
         assert plugin["p99_ttft_ms"] < 0.5 * stock["p99_ttft_ms"]
         assert plugin["mean_e2el_ms"] < stock["mean_e2el_ms"]
+
+
+def test_the_scaled_step_model_is_the_calibrated_one_on_the_reference() -> None:
+    """Other machines, models and TP degrees are scaled from the H200's Qwen3-32B; on the
+    H200 with Qwen3-32B the scaling is the identity, and stock's KV at 0.62 is the H200's."""
+    from bench.simulator import MACHINES, MODELS, scaled_step_model, stock_kv_blocks
+
+    h200, qwen, llama = MACHINES["h200"], MODELS["qwen3-32b"], MODELS["llama-3.1-70b-fp8"]
+    reference, scaled = StepModel(), scaled_step_model(h200, qwen)
+    for field in ("intercept_ms", "ms_per_decode_token", "ms_per_prefill_token", "stall_up_ms"):
+        assert getattr(scaled, field) == pytest.approx(getattr(reference, field))
+    assert scaled.layer_bytes == pytest.approx(reference.layer_bytes, rel=1e-4)
+    assert stock_kv_blocks(h200, qwen, 1, 0.62) == 6095
+    # TP = 2: half a layer and half the KV per token on each GPU, so about twice the KV
+    # beside half the weights, and an all-reduce cost on every layer.
+    tp2 = scaled_step_model(h200, qwen, tp=2)
+    assert tp2.layer_bytes == scaled.layer_bytes // 2
+    assert tp2.ms_per_context_token == pytest.approx(scaled.ms_per_context_token / 2)
+    assert stock_kv_blocks(h200, qwen, 2, 0.62) > 4 * 6095
+    # A GH200 (96 GB) at 0.9 holds about the H200's KV at 0.62: the "GH200-sized" cache.
+    assert abs(stock_kv_blocks(MACHINES["gh200"], qwen, 1, 0.9) - 6095) < 400
+    # Llama-3.1-70B in fp8 on one GH200 is KV-starved; at 0.7 of one it does not fit.
+    assert stock_kv_blocks(MACHINES["gh200"], llama, 1, 0.9) < 4000
+    with pytest.raises(ValueError, match="no KV"):
+        stock_kv_blocks(MACHINES["gh200"], llama, 1, 0.7)

@@ -122,6 +122,8 @@ class OffloadController:
         self.cap: int | None = None
         self.control_applied = 0  # the number of the last control request applied
         self.control_error: str | None = None
+        self._levels: list[dict[str, Any]] = []  # the status's table of levels, and when
+        self._levels_at: float | None = None
         self._hold_drain = False  # the descent under way was decided under pressure
         policy = config.policy
         self.audit = (
@@ -494,21 +496,30 @@ class OffloadController:
             self.policy.max_level,
         )
 
+    LEVELS_EVERY_S = 5.0  # how often the status recomputes L_k at every level
+
     def status(self, block_size: int) -> dict[str, Any]:
         """The state the status board publishes: the trace's live view, the plan, the
-        operator's controls, and C_k and L_k at every level as the policy prices them."""
-        mix = tuple(self._mix) if self.config.policy.proxy == "model" else ()
-        levels = []
-        for k in range(self.plan.max_level + 1):
-            latency = self.estimator.estimate(k, mix)
-            levels.append(
-                {
-                    "level": k,
-                    "capacity_blocks": self.plan.capacity_blocks(k),
-                    "latency_ms": None if latency is None else round(latency, 3),
-                    "samples": self.estimator.samples(k),
-                }
-            )
+        operator's controls, and C_k and L_k at every level: L_k is the decode step at the
+        last decode batch (measured once the level has ``min_samples`` steps, else the
+        model's), recomputed every :attr:`LEVELS_EVERY_S` (the model walks every layer per
+        level; over the whole step mix, at every level, it would cost the engine loop tens
+        of milliseconds). What the last decision weighed is in ``proxy``, ``proxy_next``,
+        ``priced_level`` and ``margin``."""
+        now = self.clock()
+        if self._levels_at is None or now - self._levels_at >= self.LEVELS_EVERY_S:
+            self._levels_at, self._levels = now, []
+            for k in range(self.plan.max_level + 1):
+                latency = self.estimator.estimate(k)
+                self._levels.append(
+                    {
+                        "level": k,
+                        "capacity_blocks": self.plan.capacity_blocks(k),
+                        "latency_ms": None if latency is None else round(latency, 3),
+                        "samples": self.estimator.samples(k),
+                    }
+                )
+        levels = self._levels
         live = self.trace.live.as_dict()
         return {
             **live,

@@ -194,6 +194,7 @@ class OffloadPolicy:
         mix: tuple[StepShape, ...],
         demand_blocks: int | None = None,
         batch_room: float | None = None,
+        now_ms: float | None = None,
     ) -> float | None:
         """C'_j / (L_j + (j - k) (S_up + S_down) / H) for a level j above k, or None while
         L is unknown.
@@ -212,7 +213,7 @@ class OffloadPolicy:
             StepShape(round(s.num_decode_tokens * grow), s.num_prefill_tokens) for s in mix
         )
         nxt = self.estimator.estimate(level, admitted)
-        now = self.estimator.estimate(self.level, mix)
+        now = self.estimator.estimate(self.level, mix) if now_ms is None else now_ms
         if nxt is None or now is None or nxt <= 0:
             return None
         horizon = max(self.config.cooldown_steps, self.episode, 1)
@@ -235,13 +236,21 @@ class OffloadPolicy:
                 self._lost = None
                 return self._move(self._lost_to - self.level, "down-loss")
             mix = pressure.mix
-            current = self.proxy(self.level, mix)
+            now_ms = self.estimator.estimate(self.level, mix)  # L_k over the mix, once
+            if cfg.proxy == "model":
+                current = None
+                if now_ms is not None and now_ms > 0:
+                    current = self.capacity_blocks(self.level) / now_ms
+            else:
+                current = self.proxy(self.level, mix)
             best: tuple[float, int, float] | None = None  # (price, level, margin)
             if current is not None and not pressure.auditing:
                 for level in self.reach(pressure.demand_blocks):
                     if self.backoff.blocked(level, pressure.step):
                         break  # a loss there: it and every level above are out
-                    price = self.priced(level, mix, pressure.demand_blocks, pressure.batch_room)
+                    price = self.priced(
+                        level, mix, pressure.demand_blocks, pressure.batch_room, now_ms
+                    )
                     margin = self.margin(len(mix), level)
                     if price is None:
                         continue

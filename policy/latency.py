@@ -36,13 +36,14 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 from dynoff.policy.config import PolicyConfig
 
 
-@dataclasses.dataclass(frozen=True)
-class StepShape:
-    """A step's composition: tokens of decode requests and of prefill chunks."""
+class StepShape(NamedTuple):
+    """A step's composition: tokens of decode requests and of prefill chunks (a named tuple:
+    the policy hashes thousands of them per step to price every level in reach)."""
 
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
@@ -213,14 +214,20 @@ class OffloadCostModel:
         ready = {i: 0.0 for i in range(level)}  # first-half layers resident before step 0
         now = copy_free = 0.0
         duration = 0.0
+        # Only layers 0..k-1 and N/2..N/2+k-1 wait for a copy or start one; the layers
+        # between them run back to back (the step walks 2k layers, not N: this runs every
+        # scheduler step for every level the policy prices).
+        segments = ((0, half - level), (half, self.num_layers - half - level))
         for _ in range(3):
             start = now
-            for layer in range(self.num_layers):
-                now = max(now, ready.get(layer, 0.0)) + t
-                partner = self._partner_to_fetch(layer, level, half)
-                if partner is not None:
+            for first, plain in segments:
+                for layer in range(first, first + level):
+                    now = max(now, ready.get(layer, 0.0)) + t
+                    partner = self._partner_to_fetch(layer, level, half)
+                    assert partner is not None
                     copy_free = max(now, copy_free) + x
                     ready[partner] = copy_free
+                now += plain * t
             now += self.overhead_ms + penalty
             duration = now - start
         return duration

@@ -276,10 +276,13 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
     done: dict[str, float] = {}
     outputs: dict[str, int] = {}
     now, nxt, steps, levels = 0.0, 0, 0, [0]
+    made: list[Any] = []  # every request, for its preemption count at the end
+    peak_kv = 0.0
     while nxt < len(pending) or scheduler.has_requests():
         while nxt < len(pending) and pending[nxt]["t"] <= now:
             r = pending[nxt]
             request = make_request(nxt, r["prompt_len"], r["output_len"])
+            made.append(request)
             arrival[request.request_id] = r["t"]
             outputs[request.request_id] = r["output_len"]
             scheduler.add_request(request)
@@ -288,6 +291,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             now = pending[nxt]["t"]
             continue
         out = scheduler.schedule()
+        peak_kv = max(peak_kv, scheduler.kv_cache_manager.usage)
         command = getattr(out, "dynamic_offload", None)
         level = scheduler.offload.level if args.system == "plugin" else 0
         stall = 0.0
@@ -345,7 +349,10 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
                     done[o.request_id] = now
         if args.system == "plugin" and scheduler.offload.level != levels[-1]:
             levels.append(scheduler.offload.level)
-    return report(arrival, first, done, outputs, now, steps, levels)
+    result = report(arrival, first, done, outputs, now, steps, levels)
+    result["preemptions"] = sum(r.num_preemptions for r in made)
+    result["peak_kv_usage"] = round(peak_kv, 4)
+    return result
 
 
 def report(
@@ -548,7 +555,9 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=None, help="default: 6,095 (H200, 0.62)")
     parser.add_argument("--max-level", type=int, default=8)
     parser.add_argument("--link-GBps", type=float, default=None, help="default: the machine's")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    # vllm serve's defaults on a GPU of 70 GiB or more (H100, H200, GH200, GB200): vLLM's
+    # EngineArgs sets 1,024 sequences and 8,192 batched tokens for the API server there.
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--plugin-config", default="{}")
     args = parser.parse_args()

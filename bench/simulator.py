@@ -349,10 +349,10 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
                     done[o.request_id] = now
         if args.system == "plugin" and scheduler.offload.level != levels[-1]:
             levels.append(scheduler.offload.level)
-    result = report(arrival, first, done, outputs, now, steps, levels)
-    result["preemptions"] = sum(r.num_preemptions for r in made)
-    result["peak_kv_usage"] = round(peak_kv, 4)
-    return result
+    summary = report(arrival, first, done, outputs, now, steps, levels)
+    summary["preemptions"] = sum(r.num_preemptions for r in made)
+    summary["peak_kv_usage"] = round(peak_kv, 4)
+    return summary
 
 
 def report(

@@ -19,13 +19,15 @@ Group life cycle::
     ACTIVE --begin_shrink--> DRAINING --(all blocks free)--> RECLAIMED --take_ready-->
     UNMAPPING --commit_shrink--> RETIRED          (abort_drain / abort_shrink: back to ACTIVE)
 
-Nothing here waits: a shrink that cannot complete at once drains as requests finish (a
-target still held by a request is swapped for a group that has become wholly free), and
-is aborted (its blocks spliced back) if the free list runs dry meanwhile. A *held* drain
-(the policy stepping down under pressure) is not aborted: vLLM serves on with fewer free
-blocks, preempting if it must, until the draining groups are free. A block of a draining
-group leaves the pool the moment it is freed (``BlockPool.free_blocks`` is wrapped), so
-vLLM cannot hand it out again, not even within the same ``schedule()``. Every private part
+A shrink takes wholly free groups first, those holding the fewest cached prefix blocks
+first (a dropped prefix is a prompt recomputed). Nothing here waits: a shrink that cannot
+complete at once drains as requests finish (a target still held by a request is swapped for
+a group that has become wholly free), and is aborted (its blocks spliced back) if the free
+list runs dry meanwhile. A *held* drain (the policy stepping down under pressure) is not
+aborted: vLLM serves on with fewer free blocks, preempting if it must, until the draining
+groups are free. A block of a draining group leaves the pool the moment it is freed
+(``BlockPool.free_blocks`` is wrapped), so vLLM cannot hand it out again, not even within
+the same ``schedule()``. Every private part
 of ``BlockPool`` it touches goes through :mod:`.hacks`.
 """
 
@@ -155,11 +157,14 @@ class ElasticBlockPool:
         candidates = [g for g in self.groups_in(GroupState.ACTIVE) if g != null_group]
         if num_groups > len(candidates):
             raise ValueError(f"cannot shrink by {num_groups} groups: {len(candidates)} active")
+        # Wholly free groups first, and among them those holding the fewest cached prefix
+        # blocks: a cached block dropped is a prompt recomputed on its next hit.
         free = [g for g in reversed(candidates) if self._group_free(g)]
+        free.sort(key=self._cached_count)  # stable: highest ids first among equals
         targets = free[:num_groups]
         if len(targets) < num_groups:
             rest = [g for g in candidates if g not in targets]
-            rest.sort(key=lambda g: (-self._free_count(g), -g))
+            rest.sort(key=lambda g: (-self._free_count(g), self._cached_count(g), -g))
             targets += rest[: num_groups - len(targets)]
         for g in targets:
             self.states[g] = GroupState.DRAINING
@@ -170,6 +175,10 @@ class ElasticBlockPool:
         self._drain = _Drain(tuple(sorted(targets)), started_step=step, blocks=blocks, hold=hold)
         self.poll(step)
         return self._drain.targets if self._drain else tuple(sorted(targets))
+
+    def _cached_count(self, group: int) -> int:
+        """Blocks of ``group`` that hold a prefix-cache entry (vLLM's ``block_hash``)."""
+        return sum(self.pool.blocks[b].block_hash is not None for b in self.layout.blocks_of(group))
 
     def _free_count(self, group: int) -> int:
         return sum(self._in_free_queue(self.pool.blocks[b]) for b in self.layout.blocks_of(group))
@@ -215,6 +224,7 @@ class ElasticBlockPool:
             for g in reversed(self.groups_in(GroupState.ACTIVE))
             if g != null_group and g not in targets and self._group_free(g)
         ]
+        spare.sort(key=self._cached_count)  # the least cached prefix lost first
         swaps = list(zip(stuck, spare, strict=False))
         if not swaps:
             return

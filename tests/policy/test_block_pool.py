@@ -149,6 +149,31 @@ def test_a_drain_held_up_by_a_long_request_moves_to_a_group_freed_since() -> Non
     assert elastic.invariant_violations() == []
 
 
+def test_a_shrink_takes_the_free_group_with_the_least_cached_prefix() -> None:
+    """Three wholly free groups; one holds a document's cached prefix. The shrink takes a
+    clean one, and the document's next request still hits its prefix (the seed's policy
+    reclaimed the highest free group whatever it held, and that prefix was recomputed)."""
+    from dynoff.policy import hacks
+
+    manager = make_manager(8 * GROUPS)
+    pool = manager.block_pool
+    elastic = ElasticBlockPool(pool, layout(8 * GROUPS), active_groups=4)
+    filler = make_request(list(range(23 * BLOCK_SIZE)))  # blocks 1..23
+    document = list(range(9000, 9000 + 8 * BLOCK_SIZE))
+    first = make_request(document)  # blocks 24..31: group 3
+    assert manager.allocate_slots(filler, 23 * BLOCK_SIZE) is not None
+    assert manager.allocate_slots(first, 8 * BLOCK_SIZE) is not None
+    manager.free(first)
+    manager.free(filler)
+    hacks.evict_prefix_hashes(pool, range(1, 24))  # the filler's prefix aged out: clean
+    assert [b for b in range(32) if pool.blocks[b].block_hash is not None] == list(range(24, 32))
+    assert elastic.begin_shrink(1, step=0) == (2,)  # not group 3, the highest free one
+    again = make_request([*document, 1, 2, 3])
+    _, hit_tokens, _ = manager.get_computed_blocks(again)
+    assert hit_tokens == 8 * BLOCK_SIZE  # the whole document, from the cache
+    assert elastic.invariant_violations() == []
+
+
 def test_abort_splices_reclaimed_blocks_back() -> None:
     manager = make_manager(8 * GROUPS)
     elastic = ElasticBlockPool(manager.block_pool, layout(8 * GROUPS), active_groups=3)

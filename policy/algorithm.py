@@ -126,6 +126,10 @@ class OffloadPolicy:
     def proxy(self, level: int, mix: tuple[StepShape, ...]) -> float | None:
         """E[T_k] = C_k / L_k (blocks per ms)."""
         latency = self.estimator.estimate(level, mix if self.config.proxy == "model" else ())
+        return self._per_ms(level, latency)
+
+    def _per_ms(self, level: int, latency: float | None) -> float | None:
+        """C_k / L_k for a given L_k, or None while it is unknown."""
         if latency is None or latency <= 0:
             return None
         return self.capacity_blocks(level) / latency
@@ -237,10 +241,9 @@ class OffloadPolicy:
                 return self._move(self._lost_to - self.level, "down-loss")
             mix = pressure.mix
             now_ms = self.estimator.estimate(self.level, mix)  # L_k over the mix, once
+            # The model proxy prices level k over the same mix: no second pass over it.
             if cfg.proxy == "model":
-                current = None
-                if now_ms is not None and now_ms > 0:
-                    current = self.capacity_blocks(self.level) / now_ms
+                current = self._per_ms(self.level, now_ms)
             else:
                 current = self.proxy(self.level, mix)
             best: tuple[float, int, float] | None = None  # (price, level, margin)

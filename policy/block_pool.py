@@ -153,15 +153,10 @@ class ElasticBlockPool:
         """
         if self._drain is not None:
             raise RuntimeError("a shrink is already in progress")
-        null_group = 0  # holds block 0, the null block: never reclaimed
-        candidates = [g for g in self.groups_in(GroupState.ACTIVE) if g != null_group]
+        candidates = self._reclaimable()
         if num_groups > len(candidates):
             raise ValueError(f"cannot shrink by {num_groups} groups: {len(candidates)} active")
-        # Wholly free groups first, and among them those holding the fewest cached prefix
-        # blocks: a cached block dropped is a prompt recomputed on its next hit.
-        free = [g for g in reversed(candidates) if self._group_free(g)]
-        free.sort(key=self._cached_count)  # stable: highest ids first among equals
-        targets = free[:num_groups]
+        targets = self._free_groups()[:num_groups]
         if len(targets) < num_groups:
             rest = [g for g in candidates if g not in targets]
             rest.sort(key=lambda g: (-self._free_count(g), self._cached_count(g), -g))
@@ -175,6 +170,19 @@ class ElasticBlockPool:
         self._drain = _Drain(tuple(sorted(targets)), started_step=step, blocks=blocks, hold=hold)
         self.poll(step)
         return self._drain.targets if self._drain else tuple(sorted(targets))
+
+    def _reclaimable(self) -> list[int]:
+        """Active groups, but group 0: it holds block 0, the null block, never reclaimed."""
+        return [g for g in self.groups_in(GroupState.ACTIVE) if g != 0]
+
+    def _free_groups(self, excluding: Iterable[int] = ()) -> list[int]:
+        """Reclaimable groups whose blocks are all free, in the order a shrink takes them:
+        the fewest cached prefix blocks first (a dropped prefix is a prompt recomputed on
+        its next hit), then the highest id."""
+        skip = set(excluding)
+        free = [g for g in reversed(self._reclaimable()) if g not in skip and self._group_free(g)]
+        free.sort(key=self._cached_count)  # stable: highest ids first among equals
+        return free
 
     def _cached_count(self, group: int) -> int:
         """Blocks of ``group`` that hold a prefix-cache entry (vLLM's ``block_hash``)."""
@@ -213,19 +221,15 @@ class ElasticBlockPool:
         stuck = [
             g
             for g in drain.targets
-            if any(b not in self._out for b in self.layout.blocks_of(g)) and not self._group_free(g)
+            if any(
+                b not in self._out and not self._in_free_queue(self.pool.blocks[b])
+                for b in self.layout.blocks_of(g)
+            )
         ]
         if not stuck:
             return
-        null_group = 0
         targets = set(drain.targets)
-        spare = [
-            g
-            for g in reversed(self.groups_in(GroupState.ACTIVE))
-            if g != null_group and g not in targets and self._group_free(g)
-        ]
-        spare.sort(key=self._cached_count)  # the least cached prefix lost first
-        swaps = list(zip(stuck, spare, strict=False))
+        swaps = list(zip(stuck, self._free_groups(excluding=targets), strict=False))
         if not swaps:
             return
         for old, new in swaps:

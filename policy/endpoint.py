@@ -20,9 +20,7 @@ bearer token.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
-import secrets
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import State
+from vllm.entrypoints.serve.utils.server_utils import AuthenticationMiddleware
 
 from dynoff.policy.status import board_dir, read_status, write_control
 
@@ -45,15 +44,11 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def _authorized(request: Request, keys: list[str]) -> bool:
-    """vLLM's bearer-token check (``--api-key``), for a route outside its guarded prefixes."""
-    if not keys:
-        return True
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    digest = hashlib.sha256(token.encode()).digest()
-    return any(secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys)
+def _authorized(request: Request) -> bool:
+    """vLLM's own bearer-token check (its ``AuthenticationMiddleware`` guards only the
+    ``/v1`` routes): the keys ``--api-key`` or ``VLLM_API_KEY`` gave the server."""
+    keys = getattr(request.app.state, "dynamic_offload_keys", [])
+    return not keys or AuthenticationMiddleware(request.app, keys).verify_token(request.headers)
 
 
 def _board(request: Request) -> Path | None:
@@ -84,7 +79,7 @@ async def set_level(request: Request) -> JSONResponse:
     directory = _board(request)
     if directory is None:
         return _error(404, "dynamic offloading is not enabled on this server")
-    if not _authorized(request, getattr(request.app.state, "dynamic_offload_keys", [])):
+    if not _authorized(request):
         return _error(401, "Unauthorized")
     try:
         body = await request.json()

@@ -54,9 +54,7 @@ def post_json(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def plugin_metrics(port: int) -> list[str]:
     """The plugin's samples on ``/metrics`` (``vllm:dynoff_*``), without comments."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    lines = text.splitlines()
+    lines = serve_bench.metric_samples(port, timeout_s=5)
     return [line for line in lines if line.startswith("vllm:dynoff_") and "_bucket" not in line]
 
 
@@ -67,7 +65,6 @@ class StatusWatcher(threading.Thread):
         super().__init__(daemon=True)
         self.port, self.period_s = port, period_s
         self.levels: list[int] = []
-        self.last: dict[str, Any] | None = None
         self._done = threading.Event()
 
     def run(self) -> None:
@@ -76,10 +73,8 @@ class StatusWatcher(threading.Thread):
                 status = get_json(self.port, "/dynamic_offload/status")
             except (OSError, ValueError):
                 status = None
-            if status is not None:
-                self.last = status
-                if not self.levels or self.levels[-1] != status["level"]:
-                    self.levels.append(status["level"])
+            if status is not None and (not self.levels or self.levels[-1] != status["level"]):
+                self.levels.append(status["level"])
             self._done.wait(self.period_s)
 
     def finish(self) -> None:

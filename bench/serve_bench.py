@@ -169,14 +169,20 @@ GAUGES = {
 COUNTERS = ("preemptions",)
 
 
+def metric_samples(port: int, timeout_s: float = 2.0) -> list[str]:
+    """The samples of the server's ``/metrics`` (Prometheus text, comments left out)."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+        text = reply.read().decode()
+    return [line for line in text.splitlines() if not line.startswith("#")]
+
+
 def read_metrics(port: int) -> dict[str, float]:
     """The server's Prometheus gauges this run keeps (summed over engines and labels)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
-        text = reply.read().decode()
     values: dict[str, float] = {}
-    for line in text.splitlines():
+    for line in metric_samples(port):
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in GAUGES and not line.startswith("#"):
+        if name in GAUGES:
             key = GAUGES[name]
             values[key] = values.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return values

@@ -110,22 +110,30 @@ def docqa(documents: int = 16, per_document: int = 200, seed: int = 0) -> dict[s
     return {"name": "docqa", "documents": documents, **_stats(requests), "requests": requests}
 
 
-def longprompt(count: int = 2000, seed: int = 0) -> dict[str, Any]:
+def unshared(
+    name: str,
+    count: int,
+    seed: int,
+    first_id: int,
+    prompt: tuple[int, int],
+    output: tuple[int, int],
+) -> dict[str, Any]:
+    """``count`` requests with no shared prefix, prompt and output lengths uniform in the
+    given ranges (each request's prompt is its own segment, ids from ``first_id``)."""
     rng = random.Random(seed)
     requests = [
-        {"segments": [[5_000_000 + i, rng.randint(3700, 4500)]], "output": rng.randint(50, 150)}
+        {"segments": [[first_id + i, rng.randint(*prompt)]], "output": rng.randint(*output)}
         for i in range(count)
     ]
-    return {"name": "longprompt", **_stats(requests), "requests": requests}
+    return {"name": name, **_stats(requests), "requests": requests}
+
+
+def longprompt(count: int = 2000, seed: int = 0) -> dict[str, Any]:
+    return unshared("longprompt", count, seed, 5_000_000, (3700, 4500), (50, 150))
 
 
 def longoutput(count: int = 2000, seed: int = 0) -> dict[str, Any]:
-    rng = random.Random(seed)
-    requests = [
-        {"segments": [[6_000_000 + i, rng.randint(64, 512)]], "output": rng.randint(1024, 4096)}
-        for i in range(count)
-    ]
-    return {"name": "longoutput", **_stats(requests), "requests": requests}
+    return unshared("longoutput", count, seed, 6_000_000, (64, 512), (1024, 4096))
 
 
 def _stats(requests: list[dict[str, Any]]) -> dict[str, Any]:

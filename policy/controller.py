@@ -48,6 +48,7 @@ from dynoff.policy.messages import (
     StepReport,
 )
 from dynoff.policy.pricing import model_error
+from dynoff.policy.status import control_error
 from dynoff.policy.trace import TraceWriter, trace_range
 
 logger = logging.getLogger("vllm.dynoff.policy")
@@ -471,11 +472,7 @@ class OffloadController:
         the plan is refused (``control_error``) and changes nothing. Takes effect at the next
         decision; a level above the cap drains like any lowering."""
         top = self.plan.max_level
-        error = None
-        if cap is not None and not 0 <= cap <= top:
-            error = f"cap {cap} is outside this server's levels 0..{top}"
-        elif pin is not None and not 0 <= pin <= (top if cap is None else cap):
-            error = f"pin {pin} is outside levels 0..{top if cap is None else cap}"
+        error = control_error(pin, cap, top)
         self.control_applied, self.control_error = seq, error
         if error is not None:
             logger.warning("dynamic offload: operator request %d refused: %s", seq, error)

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import State
 from vllm.entrypoints.serve.utils.server_utils import AuthenticationMiddleware
 
-from dynoff.policy.status import board_dir, read_status, write_control
+from dynoff.policy.status import board_dir, control_error, read_status, write_control
 
 STATE_ATTR = "dynamic_offload_board"
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
@@ -90,12 +90,9 @@ async def set_level(request: Request) -> JSONResponse:
         return _error(400, f'{e}; send {{"pin": k or null, "cap": m or null}}')
     status = read_status(directory)
     if status is not None:  # refused here with the fix; the scheduler checks again
-        top = status["max_level"]
-        limit = top if cap is None else cap
-        if cap is not None and not 0 <= cap <= top:
-            return _error(400, f"cap must be within this server's levels 0..{top}")
-        if pin is not None and not 0 <= pin <= limit:
-            return _error(400, f"pin must be within levels 0..{limit}")
+        error = control_error(pin, cap, status["max_level"])
+        if error is not None:
+            return _error(400, error)
     try:
         seq = write_control(directory, pin, cap)
     except FileNotFoundError as e:

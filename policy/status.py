@@ -83,6 +83,18 @@ def read_status(directory: Path) -> dict[str, Any] | None:
     return _read(directory / "status.json")
 
 
+def control_error(pin: int | None, cap: int | None, top: int) -> str | None:
+    """Why an operator's ``pin``/``cap`` does not fit a server whose plan tops out at level
+    ``top``, or None when it fits. The endpoint refuses with it before writing the request
+    and the controller checks again when it applies it."""
+    if cap is not None and not 0 <= cap <= top:
+        return f"cap {cap} is outside this server's levels 0..{top}"
+    limit = top if cap is None else cap
+    if pin is not None and not 0 <= pin <= limit:
+        return f"pin {pin} is outside levels 0..{limit}"
+    return None
+
+
 def write_control(directory: Path, pin: int | None, cap: int | None) -> int:
     """An operator's request: serve at ``pin`` (None: the policy decides) with levels up to
     ``cap`` (None: the plan's maximum). Returns its number, which the status echoes once the

@@ -57,9 +57,12 @@ def test_control_is_guarded_by_the_api_key_and_checked(tmp_path, monkeypatch) ->
     assert client.post("/dynamic_offload/level", json={"pin": 1}, headers=wrong).status_code == 401
     auth = {"Authorization": "Bearer s3cret"}
     reply = client.post("/dynamic_offload/level", json={"pin": 4}, headers=auth)
-    assert reply.status_code == 400 and reply.json()["error"] == "pin must be within levels 0..3"
+    assert reply.status_code == 400 and reply.json()["error"] == "pin 4 is outside levels 0..3"
     reply = client.post("/dynamic_offload/level", json={"cap": -1}, headers=auth)
-    assert reply.status_code == 400 and "cap must be within" in reply.json()["error"]
+    assert (
+        reply.status_code == 400
+        and reply.json()["error"] == "cap -1 is outside this server's levels 0..3"
+    )
     reply = client.post("/dynamic_offload/level", json=[1], headers=auth)
     assert reply.status_code == 400 and "JSON object" in reply.json()["error"]
 

@@ -46,6 +46,12 @@ Private attributes of the model runners (both):
    the captured graphs; the start-up calibration times it (:func:`dummy_decode`).
 9. ``AsyncModelRunnerOutput.get_output()``: the async runner's output is materialized by the
    executor calling it; the worker chains its report onto it (:func:`chain_async_output`).
+10. ``GPUModelRunner.use_uniform_kv_cache(attn_groups)`` (V1 runner): with a KV connector that
+    prefers cross-layer blocks (vLLM's ``OffloadingConnector`` does), V1 allocates one
+    cross-layer KV buffer with ``allocate_uniform_kv_caches``, around hook 1. The worker
+    answers False on its own runner instance (:func:`keep_kv_allocation_hooked`), so V1
+    allocates through hook 1 and the connector registers those tensors, as it does on the
+    V2 runner, which never takes the cross-layer path in 0.26.
 """
 
 from __future__ import annotations
@@ -64,6 +70,11 @@ def route_kv_allocation(
 ) -> None:
     """Make this runner instance allocate its KV tensors with ``allocate``."""
     model_runner._allocate_kv_cache_tensors = allocate
+
+
+def keep_kv_allocation_hooked(model_runner: Any) -> None:
+    """Keep this V1 runner instance off the cross-layer KV allocation (10)."""
+    model_runner.use_uniform_kv_cache = lambda attn_groups: False
 
 
 Observe = Callable[[bool, bool], None]  # (piecewise needed, FULL dispatched)

@@ -112,19 +112,26 @@ def check_gpu_config(vllm_config: Any) -> None:
         )
 
 
+SUPPORTED_KV_CONNECTORS = ("OffloadingConnector",)
+
+
 def check_kv_connector(vllm_config: Any) -> None:
-    """Refuse a KV connector (``--kv-transfer-config``, or ``--kv-offloading-size``, which
-    vLLM turns into one): connectors that register the KV cache or ask for vLLM's uniform
-    layout allocate around the plugin's KV hook, so their blocks would not sit in the VMM
-    ranges the levels grow and shrink. Supported once the CPU KV tier issue lands."""
+    """Refuse a KV connector the plugin cannot coordinate with (``--kv-transfer-config``, or
+    ``--kv-offloading-size``, which vLLM turns into one). vLLM's own CPU KV offloading, the
+    ``OffloadingConnector``, is supported: it copies blocks through the KV tensors the
+    plugin allocates in its VMM ranges (fixed addresses, per layer or packed), and the
+    scheduler keeps the blocks it is still copying out mapped
+    (:func:`dynoff.policy.hacks.kv_connector_reads`). Other connectors register or
+    allocate the KV cache in ways the plugin has not been shown to survive."""
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     connector = getattr(transfer, "kv_connector", None) if transfer is not None else None
-    if connector:
+    if connector and connector not in SUPPORTED_KV_CONNECTORS:
         raise ValueError(
-            f"kv_connector={connector}: dynamic offload owns the KV cache's memory through "
-            "CUDA VMM, and a KV connector allocates or registers it outside the plugin's "
-            "ranges; this combination is not supported yet: drop --kv-transfer-config "
-            "(and --kv-offloading-size), or serve without the plugin"
+            f"kv_connector={connector}: dynamic offload grows and shrinks the KV cache's "
+            "memory through CUDA VMM and supports only vLLM's CPU KV offloading "
+            f"({', '.join(SUPPORTED_KV_CONNECTORS)}: --kv-offloading-size N, with "
+            "VLLM_USE_SIMPLE_KV_OFFLOAD unset); drop --kv-transfer-config, or serve without "
+            "the plugin"
         )
 
 
@@ -389,6 +396,7 @@ class DynamicOffloadMixin:
         if dispatcher is not None and not current_platform.is_cpu():
             hacks.steer_cudagraph_dispatch(dispatcher, piecewise, runtime_.observe_dispatch)
         hacks.route_kv_allocation(runner, lambda _config: kv.tensors())
+        hacks.keep_kv_allocation_hooked(runner)
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
 
     def compile_or_warm_up_model(self) -> Any:

@@ -29,13 +29,20 @@ groups are free. A block of a draining group leaves the pool the moment it is fr
 (``BlockPool.free_blocks`` is wrapped), so vLLM cannot hand it out again, not even within
 the same ``schedule()``. Every private part
 of ``BlockPool`` it touches goes through :mod:`.hacks`.
+
+With vLLM's CPU KV offloading (a KV connector), a freed block may still be read by a copy
+to the CPU tier: vLLM frees a finished request's blocks while their stores run. ``reads``
+gives those blocks (:func:`.hacks.kv_connector_reads`); a shrink prefers groups none of
+whose blocks is being copied, and a drain is not complete, nor handed to the workers to
+unmap, while any of its blocks is. A cached prefix on a reclaimed group is thereby saved to
+the CPU tier before its pages go, wherever the connector stores it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -68,7 +75,12 @@ class ElasticBlockPool:
     RETARGET_EVERY = 16  # steps between looks for a free group to swap a stuck target for
 
     def __init__(
-        self, pool: BlockPool, layout: KVLayout, active_groups: int, drain_lag_steps: int = 2
+        self,
+        pool: BlockPool,
+        layout: KVLayout,
+        active_groups: int,
+        drain_lag_steps: int = 2,
+        reads: Callable[[], Collection[int]] | None = None,
     ) -> None:
         if layout.num_blocks != hacks.capacity(pool):
             raise ValueError(
@@ -79,6 +91,7 @@ class ElasticBlockPool:
         self.pool = pool
         self.layout = layout
         self.drain_lag_steps = drain_lag_steps
+        self._reads = reads  # blocks a KV connector is still copying out (see the module doc)
         self.states = [GroupState.ACTIVE] * active_groups + [GroupState.RETIRED] * (
             layout.num_groups - active_groups
         )
@@ -117,6 +130,13 @@ class ElasticBlockPool:
 
     def _in_free_queue(self, block: KVCacheBlock) -> bool:
         return hacks.in_free_list(block)
+
+    def _being_read(self, blocks: Iterable[int]) -> bool:
+        """Whether a KV connector's copy may still read any of ``blocks``."""
+        if self._reads is None:
+            return False
+        reading = self._reads()
+        return bool(reading) and any(b in reading for b in blocks)
 
     def _group_free(self, group: int) -> bool:
         return all(self._in_free_queue(self.pool.blocks[b]) for b in self.layout.blocks_of(group))
@@ -178,10 +198,13 @@ class ElasticBlockPool:
     def _free_groups(self, excluding: Iterable[int] = ()) -> list[int]:
         """Reclaimable groups whose blocks are all free, in the order a shrink takes them:
         the fewest cached prefix blocks first (a dropped prefix is a prompt recomputed on
-        its next hit), then the highest id."""
+        its next hit), then the highest id; a group a KV connector is copying out goes
+        last."""
         skip = set(excluding)
         free = [g for g in reversed(self._reclaimable()) if g not in skip and self._group_free(g)]
-        free.sort(key=self._cached_count)  # stable: highest ids first among equals
+        free.sort(  # stable: highest ids first among equals
+            key=lambda g: (self._being_read(self.layout.blocks_of(g)), self._cached_count(g))
+        )
         return free
 
     def _cached_count(self, group: int) -> int:
@@ -206,7 +229,7 @@ class ElasticBlockPool:
             ]
             self._take_out(freed)
         self._sync_capacity()
-        if all(b in self._out for g in drain.targets for b in self.layout.blocks_of(g)):
+        if all(b in self._out for b in drain.blocks) and not self._being_read(drain.blocks):
             for g in drain.targets:
                 self.states[g] = GroupState.RECLAIMED
             drain.ready_step = step + self.drain_lag_steps
@@ -287,9 +310,13 @@ class ElasticBlockPool:
         return drain.targets
 
     def take_ready(self, step: int) -> tuple[int, ...]:
-        """Groups drained at least ``drain_lag_steps`` ago, now safe to unmap (else ())."""
+        """Groups drained at least ``drain_lag_steps`` ago, now safe to unmap (else ()). Asked
+        again here whether a KV connector reads them: a request that finished before the drain
+        completed gets its last store in the schedule after (vLLM builds it then)."""
         drain = self._drain
         if drain is None or drain.ready_step is None or step < drain.ready_step:
+            return ()
+        if self._being_read(drain.blocks):
             return ()
         self._drain = None
         for g in drain.targets:

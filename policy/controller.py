@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
@@ -72,6 +72,7 @@ class OffloadController:
         clock: Callable[[], float] = time.monotonic,
         expected_plan: PlanReport | None = None,
         max_running: int | None = None,
+        kv_connector_reads: Callable[[], Collection[int]] | None = None,
     ) -> None:
         self.config = config
         self.max_running = max_running  # vLLM's max_num_seqs: the batch cannot grow past it
@@ -80,7 +81,11 @@ class OffloadController:
         self.plan = plan
         self.num_ranks = num_ranks
         self.elastic = ElasticBlockPool(
-            block_pool, layout, plan.groups_at(0), config.policy.drain_lag_steps
+            block_pool,
+            layout,
+            plan.groups_at(0),
+            config.policy.drain_lag_steps,
+            reads=kv_connector_reads,
         )
         self.h2d_GBps = config.h2d_GBps or FALLBACK_H2D_GBPS
         self.piecewise_penalty_ms = (

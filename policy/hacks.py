@@ -24,11 +24,16 @@ elastic pool (:mod:`.block_pool`) keeps blocks out of circulation by editing it 
 7. ``Scheduler.skipped_waiting``: the requests a schedule skipped (beside ``waiting``),
    counted as pressure; with ``Request.num_prompt_tokens`` and ``max_tokens``, the KV
    they may need.
+8. ``OffloadingConnectorScheduler._block_id_to_pending_jobs`` (``Scheduler.connector``'s
+   ``connector_scheduler``, vLLM's CPU KV offloading): the GPU blocks of finished requests
+   whose stores to the CPU tier have not completed. vLLM frees those blocks at once and
+   only flushes the stores if it hands a block out again; a block in it is still being
+   read by a copy, so the elastic pool does not unmap it (:func:`kv_connector_reads`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
@@ -107,3 +112,25 @@ def waiting_blocks(scheduler: Any, block_size: int, limit: int) -> int:
             if total >= limit:
                 return limit
     return total
+
+
+SUPPORTED_KV_CONNECTORS = ("OffloadingConnector",)
+
+
+def kv_connector_reads(scheduler: Any) -> Callable[[], Collection[int]] | None:
+    """The GPU blocks the scheduler's KV connector may still be copying out (8), as a
+    function read at each look, or None where no connector is configured. Refuses a
+    connector whose pending copies it cannot see."""
+    connector = getattr(scheduler, "connector", None)
+    if connector is None:
+        return None
+    name = type(connector).__name__
+    inner = getattr(connector, "connector_scheduler", None)
+    pending = getattr(inner, "_block_id_to_pending_jobs", None)
+    if name not in SUPPORTED_KV_CONNECTORS or not isinstance(pending, dict):
+        raise ValueError(
+            f"kv_connector={name}: dynamic offload unmaps KV blocks and must know which ones "
+            f"a connector may still be copying; it supports {', '.join(SUPPORTED_KV_CONNECTORS)} "
+            "(vLLM's CPU KV offloading: --kv-offloading-size N), not this one"
+        )
+    return pending.keys  # the same dict for the connector's life (reset_cache clears it)

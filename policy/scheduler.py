@@ -7,8 +7,9 @@ A thin subclass of vLLM's ``AsyncScheduler``: each step it asks the
 
 vLLM internals touched (vLLM 0.26.0), each through :mod:`dynoff.policy.hacks`:
 ``Scheduler.kv_cache_manager.block_pool``'s free list and capacity, and
-``Scheduler.skipped_waiting``; besides, the public ``waiting``, ``running`` and
-``current_step``. Nothing is patched globally.
+``Scheduler.skipped_waiting`` and, with vLLM's CPU KV offloading, its connector's pending
+stores; besides, the public ``waiting``, ``running``, ``connector`` and ``current_step``.
+Nothing is patched globally.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class DynamicOffloadScheduler(AsyncScheduler):
             layer_bytes=layer_bytes,
             expected_plan=plan_report(-1, plan, layout, config.kv_layout, plan.layer_pages),
             max_running=self.max_num_running_reqs,
+            kv_connector_reads=hacks.kv_connector_reads(self),
         )
         block_size = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self._block_size = block_size

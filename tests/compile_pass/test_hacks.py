@@ -181,3 +181,24 @@ def test_the_report_rides_on_what_get_output_returns() -> None:
     output = Output()
     hacks.chain_async_output(output, lambda inner: {**inner, "report": "step 3"})
     assert output.get_output() == {"tokens": [7], "report": "step 3"}
+
+
+def test_v1_cross_layer_kv_allocation_is_declined_on_the_instance_and_v2_never_takes_it() -> None:
+    """Hook 10: V1 asks ``self.use_uniform_kv_cache(self.attn_groups)`` (a staticmethod, so
+    an instance attribute answers for it) before allocating through hook 1; V2 registers the
+    per-layer tensors with the connector and has no cross-layer path."""
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.gpu import kv_connector as v2_connector
+
+    runner_cls = gpu_model_runner.GPUModelRunner
+    assert isinstance(inspect.getattr_static(runner_cls, "use_uniform_kv_cache"), staticmethod)
+    source = inspect.getsource(runner_cls)
+    uniform = source.index("if self.use_uniform_kv_cache(self.attn_groups):")
+    assert uniform < source.index("self._allocate_kv_cache_tensors(kv_cache_config)")
+    runner = object.__new__(runner_cls)
+    hacks.keep_kv_allocation_hooked(runner)
+    assert runner.use_uniform_kv_cache([[object()]]) is False
+    assert "use_uniform_kv_cache" not in vars(object.__new__(runner_cls))  # per instance only
+    v2 = inspect.getsource(v2_connector)
+    assert "register_kv_caches(kv_caches_dict)" in v2
+    assert "register_cross_layers_kv_cache" not in v2

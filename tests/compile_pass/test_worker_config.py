@@ -52,27 +52,37 @@ def test_an_fp8_kv_cache_is_refused_with_the_fix(kv_dtype: str) -> None:
     check_gpu_config(config(kv_dtype="bfloat16"))  # a non-fp8 KV dtype passes
 
 
-@pytest.mark.parametrize("connector", ["OffloadingConnector", "LMCacheConnectorV1"])
-def test_a_kv_connector_is_refused_with_the_fix(connector: str) -> None:
-    """Item 6 of the hardening issue: a connector allocates or registers the KV cache
-    outside the VMM ranges the levels resize. vLLM's own config object, as the CLI builds it."""
+@pytest.mark.parametrize("connector", ["LMCacheConnectorV1", "NixlConnector", "ExampleConnector"])
+def test_a_kv_connector_other_than_vllms_cpu_offloading_is_refused_with_the_fix(
+    connector: str,
+) -> None:
+    """Item 6 of the hardening issue: a connector that registers or allocates the KV cache
+    in ways not shown to survive the levels' remapping is refused. vLLM's own config object,
+    as the CLI builds it."""
     from vllm.config import KVTransferConfig, VllmConfig
 
     with_connector = VllmConfig(
         kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role="kv_both")
     )
-    with pytest.raises(ValueError, match=rf"kv_connector={connector}.*--kv-transfer-config"):
+    with pytest.raises(ValueError, match=rf"kv_connector={connector}.*--kv-offloading-size N"):
         check_kv_connector(with_connector)
     check_kv_connector(VllmConfig())  # no connector: accepted
 
 
-def test_vllms_kv_offloading_is_refused_too() -> None:
-    """``--kv-offloading-size`` is a connector under another name (vLLM adds it)."""
-    from vllm.config import CacheConfig, VllmConfig
+def test_vllms_cpu_kv_offloading_is_accepted() -> None:
+    """The CPU KV tier issue: ``--kv-offloading-size`` (vLLM makes it an
+    ``OffloadingConnector``) and the connector named outright both pass; the simple one,
+    which keeps its own view of the GPU block pool, does not."""
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 
     offloading = VllmConfig(cache_config=CacheConfig(kv_offloading_size=4.0))
-    with pytest.raises(ValueError, match=r"kv_connector=.*--kv-offloading-size"):
-        check_kv_connector(offloading)
+    assert offloading.kv_transfer_config.kv_connector == "OffloadingConnector"
+    check_kv_connector(offloading)
+    named = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
+    check_kv_connector(VllmConfig(kv_transfer_config=named))
+    simple = KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both")
+    with pytest.raises(ValueError, match="VLLM_USE_SIMPLE_KV_OFFLOAD unset"):
+        check_kv_connector(VllmConfig(kv_transfer_config=simple))
 
 
 def test_gpu_worker_module_leaves_torch_cuda_alone() -> None:

@@ -165,8 +165,19 @@ GAUGES = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:num_preemptions_total": "preemptions",
+    # prefix caching, in tokens: the GPU's own cache, and a KV connector's (the CPU tier)
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:external_prefix_cache_queries_total": "external_prefix_queries",
+    "vllm:external_prefix_cache_hits_total": "external_prefix_hits",
 }
-COUNTERS = ("preemptions",)
+COUNTERS = (
+    "preemptions",
+    "prefix_queries",
+    "prefix_hits",
+    "external_prefix_queries",
+    "external_prefix_hits",
+)
 
 
 def metric_samples(port: int, timeout_s: float = 2.0) -> list[str]:

@@ -6,7 +6,9 @@
 #   e.g. bash bench/gpu/no_harm.sh plugin qwen3-32b b "bursty: bursty --lull-s 15 --burst-s 30 --cycles 1" \
 #          "sharegpt: poisson --rate 16 --seconds 60"
 # PLUGIN_CONFIG='{"home": "device", ...}' (environment) adds to the plugin's configuration, e.g.
-# the fast-link emulation of issue 22.
+# the fast-link emulation of issue 22. SERVER_ARGS='--kv-offloading-size 16' (environment) adds
+# vLLM flags to the server, stock or plugin alike (the CPU KV tier issue), and LABEL names the
+# system in the files (default: SYSTEM), e.g. LABEL=plugin_kvoff.
 # SYSTEM: stock | plugin. REGIME a = gpu_memory_utilization 0.9, b = 0.62. TRACE-ARGS go to
 # bench.traces (shape first: poisson | bursty). Writes $OUT/<system>_<regime>_<workload>_<n>_h200.json
 # per point and the server's log. The compile cache lives under /tmp/site, which survives between
@@ -15,6 +17,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
 system="$1"; model="$2"; regime="$3"; shift 3
+label="${LABEL:-$system}"
 case "$regime" in a) util=0.9 ;; b) util=0.62 ;; *) echo "regime must be a or b"; exit 2 ;; esac
 [ "$#" -ge 1 ] || { echo "give at least one \"WORKLOAD: TRACE-ARGS\""; exit 2; }
 [ -f /tmp/dynoff-env.sh ] || bash bench/gpu/build.sh > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
@@ -28,13 +31,14 @@ for spec in "$@"; do
   # shellcheck disable=SC2086  # the trace arguments are words
   python3 -m bench.traces $args --out "$trace" || exit 2
   point=$(printf '{"regime": "%s", "workload": "%s", "trace": "%s"}' "$regime" "$workload" "$args")
-  points+=(--trace "$trace" --point "$point" --out "$OUT/${system}_${regime}_${workload}_${n}_h200.json")
+  points+=(--trace "$trace" --point "$point" --out "$OUT/${label}_${regime}_${workload}_${n}_h200.json")
   n=$((n + 1))
 done
 extra=()
 [ -z "${PLUGIN_CONFIG:-}" ] || extra=(--plugin-config "$PLUGIN_CONFIG")
+for word in ${SERVER_ARGS:-}; do extra+=("--server-arg=$word"); done
 python3 -m bench.serve_bench --system "$system" --model "/tmp/site/models/$model" \
-  --gpu-memory-utilization "$util" "${points[@]}" "${extra[@]}" --log "$OUT/${system}_server.log"
+  --gpu-memory-utilization "$util" "${points[@]}" "${extra[@]}" --log "$OUT/${label}_server.log"
 rc=$?
-grep -h "dynamic offload\|Available KV\|KV cache size\|Actual usage" "$OUT/${system}_server.log" | cut -c1-400 | tail -30
+grep -h "dynamic offload\|Available KV\|KV cache size\|Actual usage\|offloading" "$OUT/${label}_server.log" | cut -c1-400 | tail -30
 exit $rc

@@ -72,6 +72,8 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
         compilation_config={"cudagraph_capture_sizes": CAPTURE},
         disable_log_stats=True,
     )
+    if args.kv_offloading_size:  # vLLM's CPU KV tier, on every engine alike
+        kwargs["kv_offloading_size"] = args.kv_offloading_size
     if args.weights == "distinct" or mode == "forced-wrong":
         from bench.weights import EXTENSION
 
@@ -271,6 +273,12 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/dynoff-e2e-correctness")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--live-memory-utilization", type=float, default=0.2)
+    parser.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="GiB of vLLM's CPU KV tier (its OffloadingConnector) on every engine",
+    )
     parser.add_argument("--engine", nargs=3, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--combine", nargs="+", default=None, help="result JSONs of several calls")
     args = parser.parse_args()
@@ -297,6 +305,7 @@ def main() -> None:
         "route": args.route,
         "kv_layout": args.kv_layout,
         "weights": args.weights,
+        "kv_offloading_size": args.kv_offloading_size,
         "engines": {},
     }
     for mode in args.engines or modes:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
@@ -24,20 +24,12 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 from dynoff.policy import hacks
-from dynoff.policy.geometry import (
-    decoder_layer_bytes,
-    per_layer_kv_cache_config,
-    plan_capacity,
-)
 from dynoff.policy.messages import ResizeOutcome, StepReport
 from dynoff.policy.scheduler import DynamicOffloadScheduler
-from tests.policy.kv_fixtures import SPEC
+from tests.policy.test_scheduler import build as build_scheduler
 
-MODEL = str(Path(__file__).parents[1] / "models" / "tiny-llama")
-PAGE = 64 << 10
 BLOCK = 16
 PROMPT = 30 * BLOCK  # 30 full blocks: each is stored to the CPU tier
 
@@ -45,15 +37,6 @@ PROMPT = 30 * BLOCK  # 30 full blocks: each is stored to the CPU tier
 def build(
     tmp_path: Path, schedule: list[list[int]], connector: str = "OffloadingConnector"
 ) -> DynamicOffloadScheduler:
-    model = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512)
-    extra = {
-        "dynamic_offload": {
-            "host_page_size": PAGE,
-            "level_schedule": schedule,
-            "trace_path": str(tmp_path / "trace.jsonl"),
-        }
-    }
-    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     transfer = KVTransferConfig(
         kv_connector=connector,
         kv_role="kv_both",
@@ -62,19 +45,7 @@ def build(
             "shared_storage_path": str(tmp_path / "kv"),
         },
     )
-    vllm_config = VllmConfig(
-        model_config=model, cache_config=cache, kv_transfer_config=transfer, additional_config=extra
-    )
-    strides = (SPEC.page_size_bytes,) * 4
-    layer_bytes = decoder_layer_bytes(model.hf_config, 2)
-    plan = plan_capacity(
-        strides, base_blocks=64, layer_bytes=layer_bytes, max_level=2, page_size=PAGE
-    )
-    kv = per_layer_kv_cache_config(plan.num_blocks, SPEC, 4)
-    cache.num_gpu_blocks = plan.num_blocks
-    return DynamicOffloadScheduler(
-        vllm_config, kv, StructuredOutputManager(vllm_config), block_size=BLOCK
-    )
+    return build_scheduler(tmp_path, schedule, transfer)
 
 
 def request(rid: str, first_token: int) -> Request:

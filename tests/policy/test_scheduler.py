@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from vllm.config import CacheConfig, ModelConfig, VllmConfig
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -30,7 +30,11 @@ MODEL = str(Path(__file__).parents[1] / "models" / "tiny-llama")
 PAGE = 64 << 10
 
 
-def build(tmp_path: Path, schedule: list[list[int]]) -> DynamicOffloadScheduler:
+def build(
+    tmp_path: Path, schedule: list[list[int]], transfer: KVTransferConfig | None = None
+) -> DynamicOffloadScheduler:
+    """The scheduler as vLLM builds it for a tiny Llama at levels 0..2 (``transfer``: a KV
+    connector, e.g. vLLM's CPU KV offloading)."""
     model = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512)
     extra = {
         "dynamic_offload": {
@@ -40,7 +44,12 @@ def build(tmp_path: Path, schedule: list[list[int]]) -> DynamicOffloadScheduler:
         }
     }
     cache = CacheConfig(block_size=16)
-    vllm_config = VllmConfig(model_config=model, cache_config=cache, additional_config=extra)
+    vllm_config = VllmConfig(
+        model_config=model,
+        cache_config=cache,
+        kv_transfer_config=transfer,
+        additional_config=extra,
+    )
     # What the worker does: size the KV cache for the highest level's capacity.
     strides = (SPEC.page_size_bytes,) * 4
     layer_bytes = decoder_layer_bytes(model.hf_config, 2)

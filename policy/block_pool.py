@@ -131,6 +131,11 @@ class ElasticBlockPool:
     def _in_free_queue(self, block: KVCacheBlock) -> bool:
         return hacks.in_free_list(block)
 
+    @property
+    def blocks_being_stored(self) -> int | None:
+        """Free blocks a KV connector is still copying out (None: no connector)."""
+        return None if self._reads is None else len(self._reads())
+
     def _being_read(self, blocks: Iterable[int]) -> bool:
         """Whether a KV connector's copy may still read any of ``blocks``."""
         if self._reads is None:

@@ -539,6 +539,8 @@ class OffloadController:
             "control": {"applied": self.control_applied, "error": self.control_error},
             "priced_GBps": self.h2d_GBps,
             "piecewise_penalty_ms": self.piecewise_penalty_ms,
+            # with vLLM's CPU KV offloading: what a lowering's drain may be waiting for
+            "blocks_being_stored": self.elastic.blocks_being_stored,
         }
 
     def _record(self, step: int, waiting: int, running: int) -> None:

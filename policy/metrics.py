@@ -18,6 +18,9 @@ most every :attr:`~DynamicOffloadStatLogger.READ_EVERY_S`. Names and labels foll
 ``vllm:dynoff_drain_aborts_total``          counter   lowerings abandoned before they drained
 ``vllm:dynoff_level_change_stall_seconds``  histogram engine stall of each change, by direction
 ``vllm:dynoff_draining_groups``             gauge     KV groups draining for a lowering (0: none)
+``vllm:dynoff_kv_blocks_being_stored``      gauge     free KV blocks a copy to vLLM's CPU KV tier
+                                                      still reads (a drain waits for them); only
+                                                      with ``--kv-offloading-size``
 ``vllm:dynoff_policy_decision``             gauge     1 for the last decision's ``reason``
 =========================================== ========= ==========================================
 
@@ -75,6 +78,10 @@ class _Metrics:
         self.tokens = gauge("vllm:dynoff_kv_capacity_tokens", "KV cache capacity in tokens.")
         self.draining = gauge(
             "vllm:dynoff_draining_groups", "KV block groups draining for a lowering (0: none)."
+        )
+        self.being_stored = gauge(
+            "vllm:dynoff_kv_blocks_being_stored",
+            "Free KV blocks a copy to the CPU KV tier still reads (a drain waits for them).",
         )
         self.decision = gauge(
             "vllm:dynoff_policy_decision",
@@ -157,6 +164,8 @@ class DynamicOffloadStatLogger(StatLoggerBase):
         m.blocks.labels(**labels).set(status["capacity_blocks"])
         m.tokens.labels(**labels).set(status["capacity_tokens"])
         m.draining.labels(**labels).set(status.get("draining_groups", 0))
+        if status.get("blocks_being_stored") is not None:  # a CPU KV tier is on
+            m.being_stored.labels(**labels).set(status["blocks_being_stored"])
         reason = status.get("decision")
         for name in DECISIONS:
             m.decision.labels(**labels, reason=name).set(1 if name == reason else 0)

@@ -117,6 +117,7 @@ def test_a_lowering_waits_for_the_cpu_tier_stores_and_the_prefix_comes_back_from
     worker.step()  # step 2: prefill and the stores; every request finishes
     assert not scheduler.running and pool.get_num_free_blocks() == 95
     assert len(worker.stores) == 3 and len(reads()) == 90
+    assert scheduler.offload.status(BLOCK)["blocks_being_stored"] == 90  # what operators see
     for _ in range(8):  # step 3 begins the drain; it would be ready two steps later
         worker.step()
     assert [c.unmap_groups for c in worker.commands] == [()]  # no unmap while stores read

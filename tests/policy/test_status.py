@@ -177,6 +177,7 @@ def test_the_stat_logger_sets_vllms_style_metrics_from_the_board(tmp_path, monke
         "capacity_blocks": 100,
         "capacity_tokens": 1600,
         "draining_groups": 0,
+        "blocks_being_stored": None,
         "decision": "up",
         "changes": {"up": 1, "down": 0},
         "resize_failures": 0,
@@ -192,8 +193,10 @@ def test_the_stat_logger_sets_vllms_style_metrics_from_the_board(tmp_path, monke
     assert value("vllm:dynoff_policy_decision", reason="up") == 1
     assert value("vllm:dynoff_policy_decision", reason="hold") == 0
     assert value("vllm:dynoff_level_change_stall_seconds_count", direction="up") == 1
+    assert value("vllm:dynoff_kv_blocks_being_stored") is None  # no CPU KV tier: not set
     # The next change, read once the logger's read interval has passed.
     status.update(level=2, changes={"up": 2, "down": 0}, stalls=[[1, "up", 4.0], [2, "up", 5.0]])
+    status.update(blocks_being_stored=30)
     board.publish(status)
     stat_logger.record(None, None)
     assert value("vllm:dynoff_offload_level") == 1  # read 0 s ago: not yet
@@ -201,6 +204,7 @@ def test_the_stat_logger_sets_vllms_style_metrics_from_the_board(tmp_path, monke
     stat_logger.record(None, None)
     assert value("vllm:dynoff_offload_level") == 2
     assert value("vllm:dynoff_level_changes_total", direction="up") == 2
+    assert value("vllm:dynoff_kv_blocks_being_stored") == 30
     assert value("vllm:dynoff_level_change_stall_seconds_count", direction="up") == 2
     assert value("vllm:dynoff_level_change_stall_seconds_sum", direction="up") == pytest.approx(
         9e-3

@@ -295,6 +295,7 @@ class VmmArena:
     def reset_stats(self) -> None:
         self._arena.reset_stats()
 
-    def _inject_failure(self, after: int) -> None:
-        """Test hook: the ``after``-th driver call from now fails (0 = the next); -1 disarms."""
-        self._arena._inject_failure(after)
+    def _inject_failure(self, after: int, count: int = 1) -> None:
+        """Test hook: the ``after``-th driver call from now fails (0 = the next), and so do
+        the ``count`` - 1 calls after it; -1 disarms."""
+        self._arena._inject_failure(after, count)

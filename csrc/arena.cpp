@@ -44,13 +44,7 @@ void Arena::timed(Call call, std::uintptr_t va, std::size_t bytes, Fn&& fn) {
     std::fprintf(stderr, "[dynoff vmm] %s%s va=%#zx pages=%zu\n", rolling_back_ ? "rollback " : "",
                  names[static_cast<int>(call)], static_cast<std::size_t>(va), bytes / page_size_);
   }
-  if (fail_after_ >= 0 && !rolling_back_) {
-    if (fail_after_ == 0) {
-      fail_after_ = -1;
-      DYNOFF_FAIL("injected failure (test hook)");
-    }
-    --fail_after_;
-  }
+  if (!rolling_back_) maybe_inject();
   const auto start = std::chrono::steady_clock::now();
   fn();
   const auto spent = std::chrono::steady_clock::now() - start;
@@ -161,13 +155,7 @@ std::int64_t Arena::reserve(std::size_t num_pages) {
     for (; mapped < num_pages; ++mapped) driver_->map(va + mapped * page_size_, zero_handle_);
     driver_->set_access(va, bytes, false);
   } catch (...) {
-    for (std::size_t i = 0; i < mapped; ++i) {
-      try {
-        driver_->unmap(va + i * page_size_, page_size_);
-      } catch (...) {
-      }
-    }
-    driver_->free_reservation(va, bytes);
+    free_reservation(va, bytes, unmap_pages(va, mapped, false));
     throw;
   }
   const std::int64_t id = next_range_++;
@@ -192,19 +180,56 @@ void Arena::release(std::int64_t id) noexcept {
 }
 
 void Arena::drop_range(const Range& range) noexcept {
-  // Unmap every mapping (one ranged call, else page by page) and free the reservation.
-  const std::size_t bytes = range.slots.size() * page_size_;
-  try {
-    driver_->unmap(range.va, bytes);
-  } catch (...) {
-    for (std::size_t i = 0; i < range.slots.size(); ++i) {
-      try {
-        driver_->unmap(range.va + i * page_size_, page_size_);
-      } catch (...) {  // best effort: the reservation is freed either way
-      }
+  // Every slot is mapped (pool page or zero page): one ranged unmap, else page by page.
+  free_reservation(range.va, range.slots.size() * page_size_,
+                   unmap_pages(range.va, range.slots.size(), true));
+}
+
+bool Arena::unmap_pages(std::uintptr_t va, std::size_t num_pages, bool ranged) noexcept {
+  // True when every one of the pages is known unmapped.
+  if (ranged && num_pages > 0) {
+    try {
+      maybe_inject();
+      driver_->unmap(va, num_pages * page_size_);
+      return true;
+    } catch (...) {  // page by page below
     }
   }
-  driver_->free_reservation(range.va, bytes);
+  bool unmapped = true;
+  for (std::size_t i = 0; i < num_pages; ++i) {
+    try {
+      maybe_inject();
+      driver_->unmap(va + i * page_size_, page_size_);
+    } catch (...) {
+      unmapped = false;
+    }
+  }
+  return unmapped;
+}
+
+void Arena::free_reservation(std::uintptr_t va, std::size_t bytes, bool unmapped) noexcept {
+  // A reservation freed over a live mapping hands that address space back to the driver,
+  // and the next allocation placed there fails ("resource already mapped") or aliases the
+  // page. Better to leave it reserved: address space is plentiful.
+  if (unmapped) {
+    driver_->free_reservation(va, bytes);
+    return;
+  }
+  stats_.leaked_reservations += 1;
+  std::fprintf(stderr,
+               "[dynoff vmm] a range at %#zx (%zu bytes) could not be fully unmapped; its "
+               "address space stays reserved\n",
+               static_cast<std::size_t>(va), bytes);
+}
+
+void Arena::maybe_inject() {
+  if (fail_after_ < 0) return;
+  if (fail_after_ > 0) {
+    --fail_after_;
+    return;
+  }
+  if (--fail_count_ <= 0) fail_after_ = -1;
+  DYNOFF_FAIL("injected failure (test hook)");
 }
 
 const Arena::Range& Arena::range_at(std::int64_t id) const {
@@ -396,9 +421,10 @@ void Arena::reset_stats() {
   stats_ = CallStats{};
 }
 
-void Arena::inject_failure(std::int64_t after) {
+void Arena::inject_failure(std::int64_t after, std::int64_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   fail_after_ = after;
+  fail_count_ = count;
 }
 
 }  // namespace dynoff

@@ -51,6 +51,9 @@ struct CallStats {
   std::uint64_t batches = 0;
   std::uint64_t slots_changed = 0;
   std::uint64_t rollbacks = 0;
+  // Ranges whose address space stays reserved because a page of it could not be unmapped:
+  // freeing it would let a later allocation land on a live mapping.
+  std::uint64_t leaked_reservations = 0;
 };
 
 class Arena {
@@ -90,8 +93,9 @@ class Arena {
 
   CallStats stats() const;
   void reset_stats();
-  // Test hook: the `after`-th driver call from now (0 = the next one) fails. -1 disarms.
-  void inject_failure(std::int64_t after);
+  // Test hook: the `after`-th driver call from now (0 = the next one) fails, and so do the
+  // `count` - 1 calls after it. -1 disarms.
+  void inject_failure(std::int64_t after, std::int64_t count = 1);
 
  private:
   struct Page {
@@ -113,6 +117,9 @@ class Arena {
 
   const Range& range_at(std::int64_t range) const;
   void drop_range(const Range& range) noexcept;
+  bool unmap_pages(std::uintptr_t va, std::size_t num_pages, bool ranged) noexcept;
+  void free_reservation(std::uintptr_t va, std::size_t bytes, bool unmapped) noexcept;
+  void maybe_inject();
   std::vector<Change> validate(const std::vector<MapOp>& ops) const;
   void execute(std::vector<Change>& changes);
   void execute_run(std::vector<Change>& changes, std::size_t begin, std::size_t end);
@@ -137,6 +144,7 @@ class Arena {
   std::int64_t next_range_ = 0;
   CallStats stats_;
   std::int64_t fail_after_ = -1;
+  std::int64_t fail_count_ = 0;
   bool rolling_back_ = false;
   bool broken_ = false;
   bool trace_ = false;

@@ -53,6 +53,7 @@ py::dict stats_dict(const dynoff::CallStats& s) {
   out["batches"] = s.batches;
   out["slots_changed"] = s.slots_changed;
   out["rollbacks"] = s.rollbacks;
+  out["leaked_reservations"] = s.leaked_reservations;
   return out;
 }
 
@@ -143,5 +144,5 @@ PYBIND11_MODULE(_vmm, m) {
       .def("synchronize", &Arena::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("stats", [](const Arena& a) { return stats_dict(a.stats()); })
       .def("reset_stats", &Arena::reset_stats)
-      .def("_inject_failure", &Arena::inject_failure, py::arg("after"));
+      .def("_inject_failure", &Arena::inject_failure, py::arg("after"), py::arg("count") = 1);
 }

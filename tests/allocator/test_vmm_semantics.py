@@ -204,3 +204,25 @@ def test_a_page_that_is_not_whole_granules_is_refused(backend: str) -> None:
     granule = 2 * MiB if backend == "cuda" else 4096
     with pytest.raises(ValueError, match="multiple"):
         VmmArena(backend, page_size=3 * granule // 2)
+
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_range_is_never_freed_over_a_page_it_could_not_unmap(
+    arena: VmmArena, failures: int
+) -> None:
+    """A released range's address space goes back to the driver only once every page of it
+    is unmapped: freed over a live mapping, it lets a later allocation land there (on CUDA,
+    "resource already mapped"). One failure (the ranged unmap) leaves the page-by-page
+    fallback to finish; two (that and a page's) leave the range reserved, and counted."""
+    r = arena.reserve(3)
+    arena.map(r, [1], arena.allocate_pages(1))
+    arena.reset_stats()
+    arena._inject_failure(0, count=failures)
+    del r
+    gc.collect()
+    stats = arena.stats()
+    assert stats.ranges == 0
+    assert stats.calls["leaked_reservations"] == failures - 1
+    arena._inject_failure(-1)
+    again = arena.reserve(3)  # the arena goes on serving either way
+    assert again.mapping() == [ZERO_PAGE] * 3

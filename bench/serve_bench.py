@@ -345,15 +345,32 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 DETAILED = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts")
 
 
+# vLLM's client keeps idle connections for 60 s (``vllm bench serve``'s TCPConnector) and
+# ``vllm serve`` closes them after VLLM_HTTP_TIMEOUT_KEEP_ALIVE = 5 s: a request sent on a
+# connection the server is closing fails in the client before the server ever sees it.
+DISCONNECTED = "ServerDisconnectedError"
+
+
+def failure_kind(error: str) -> str:
+    """``disconnected``: the connection closed before any response (the keep-alive race
+    above, or a server that died); ``error``: anything else."""
+    return "disconnected" if DISCONNECTED in error else "error"
+
+
 def client_result(path: Path) -> dict[str, Any]:
     """vLLM's result without its per-request arrays (``--save-detailed`` writes them so
     that a failed request's error is kept), plus ``failures``: each failed request's index,
-    prompt length and error text."""
+    prompt length, kind (:func:`failure_kind`) and error text."""
     result = json.loads(path.read_text())
     errors = result.pop("errors", None) or []
     lens = result.get("input_lens") or []
     result["failures"] = [
-        {"index": i, "input_len": lens[i] if i < len(lens) else None, "error": e[-2000:]}
+        {
+            "index": i,
+            "input_len": lens[i] if i < len(lens) else None,
+            "kind": failure_kind(e),
+            "error": e[-2000:],
+        }
         for i, e in enumerate(errors)
         if e
     ]

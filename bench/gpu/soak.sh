@@ -4,13 +4,17 @@
 # 0..TOP at random, one change every EVERY steps, CHANGES changes, under a steady ShareGPT
 # Poisson load; then the soak report.
 #   bash bench/gpu/soak.sh MODEL [CHANGES] [EVERY] [TOP] [RATE] [STEP_MS]
-#   e.g. bash bench/gpu/soak.sh qwen3-8b 1000 12 4 8 15
+#   e.g. bash bench/gpu/soak.sh qwen3-8b 1050 10 4 8 30
 # Writes $OUT/soak_<model>_h200.json (serve_bench's result), the server log and
 # $OUT/soak_h200.json (level_changes, failed_requests, resize_failures, recovered, command).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
-model="$1"; changes="${2:-1000}"; every="${3:-12}"; top="${4:-4}"; rate="${5:-8}"; step_ms="${6:-15}"
+# vLLM's client keeps idle connections 60 s, vllm serve closes them after 5 s: a request sent
+# on one the server is closing fails before the server sees it (2026-12-05's soak lost one so).
+# The soak measures level changes, not that race: the server keeps connections 75 s.
+export VLLM_HTTP_TIMEOUT_KEEP_ALIVE=75
+model="$1"; changes="${2:-1050}"; every="${3:-10}"; top="${4:-4}"; rate="${5:-8}"; step_ms="${6:-30}"
 [ -f /tmp/dynoff-env.sh ] || bash bench/gpu/build.sh > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 source /tmp/dynoff-env.sh
 schedule=$(python3 -m bench.level_change soak --start 300 --every "$every" --changes "$changes" --level "$top")

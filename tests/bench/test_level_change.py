@@ -111,5 +111,12 @@ def test_the_soak_report_counts_what_the_acceptance_asks(tmp_path: Path) -> None
     assert report_["resize_failures"] == 2 and report_["recovered"] == 2
     assert report_["levels_visited"] == [0, 1, 2]
     run["client"]["failed"] = 3
+    run["client"]["failures"] = [  # as vLLM's client words them (serve_bench keeps the text)
+        {"index": 7, "error": "aiohttp...ServerDisconnectedError: Server disconnected"},
+        {"index": 9, "error": "aiohttp.client_exceptions.ClientResponseError: 500"},
+        {"index": 11, "kind": "disconnected", "error": ""},
+    ]
     path.write_text(json.dumps(run))
-    assert soak_report(str(path))["recovered"] is None  # not claimed when requests failed
+    report_ = soak_report(str(path))
+    assert report_["recovered"] is None  # not claimed when requests failed
+    assert report_["failed_requests"] == 3 and report_["failed_disconnected"] == 2

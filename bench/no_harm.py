@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import read_results, write_results
+from bench.serve_bench import failure_kind
 
 # ratio name -> (vLLM result key, bound, "min" if the ratio must be at least the bound)
 BOUNDS: dict[str, tuple[str, float, str]] = {
@@ -82,14 +83,19 @@ def report(paths: list[str]) -> dict[str, Any]:
         else:
             unpaired.append(json.loads(key))
     failed: dict[str, int] = {}
+    disconnected: dict[str, int] = {}  # of those, closed before any response (serve_bench)
     for run in runs:
-        failed[run["system"]] = failed.get(run["system"], 0) + int(run["client"]["failed"])
+        system, client = run["system"], run["client"]
+        failed[system] = failed.get(system, 0) + int(client["failed"])
+        kinds = [failure_kind(f.get("error", "")) for f in client.get("failures", [])]
+        disconnected[system] = disconnected.get(system, 0) + kinds.count("disconnected")
     visited = sorted({k for r in runs for k in r.get("plugin", {}).get("levels_visited", [])})
     return {
         "bounds": {name: {"bound": b, "kind": kind} for name, (_, b, kind) in BOUNDS.items()},
         "points": points,
         "unpaired": unpaired,
         "failed_requests": failed,
+        "failed_disconnected": disconnected,
         "levels_visited": visited,
         "runs": [
             {"file": r["file"], "system": r["system"], "point": r["point"], "command": r["command"]}

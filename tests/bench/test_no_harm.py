@@ -3,6 +3,7 @@ covered by tests/e2e/test_serve_bench.py)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from bench.no_harm import compare, rate_of
@@ -40,3 +41,22 @@ def test_the_rate_is_read_from_the_trace_arguments() -> None:
     assert rate_of({"trace": "bursty --lull-rate 3 --burst-rate 18 --cycles 2"}) == "3/18"
     assert rate_of({"trace": "poisson --workload longprompt --rate 2 --seconds 90"}) == 2.0
     assert rate_of({"rate": 5}) == 5
+
+
+def test_failed_requests_are_counted_per_system_with_the_disconnects_apart(tmp_path) -> None:
+    from bench.no_harm import report
+
+    stock, plugin = run("stock", "GPU-a", failed=0), run("plugin", "GPU-a", failed=2)
+    plugin["client"]["failures"] = [
+        {"index": 3, "error": "aiohttp.client_exceptions.ServerDisconnectedError: Server"},
+        {"index": 8, "error": "HTTP 500: engine dead"},
+    ]
+    paths = []
+    for i, record in enumerate((stock, plugin)):
+        record["command"] = "serve_bench"
+        path = tmp_path / f"{i}.json"
+        path.write_text(json.dumps(record))
+        paths.append(str(path))
+    result = report(paths)
+    assert result["failed_requests"] == {"stock": 0, "plugin": 2}
+    assert result["failed_disconnected"] == {"stock": 0, "plugin": 1}

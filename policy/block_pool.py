@@ -35,7 +35,9 @@ to the CPU tier: vLLM frees a finished request's blocks while their stores run. 
 gives those blocks (:func:`.hacks.kv_connector_reads`); a shrink prefers groups none of
 whose blocks is being copied, and a drain is not complete, nor handed to the workers to
 unmap, while any of its blocks is. A cached prefix on a reclaimed group is thereby saved to
-the CPU tier before its pages go, wherever the connector stores it.
+the CPU tier before its pages go, wherever the connector stores it. And among free groups,
+the cached blocks that count against a group are those the CPU tier does not hold
+(``held_below``): a block it holds is reloaded on its next hit, not recomputed.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class ElasticBlockPool:
         active_groups: int,
         drain_lag_steps: int = 2,
         reads: Callable[[], Collection[int]] | None = None,
+        held_below: Callable[[KVCacheBlock], bool] | None = None,
     ) -> None:
         if layout.num_blocks != hacks.capacity(pool):
             raise ValueError(
@@ -92,6 +95,7 @@ class ElasticBlockPool:
         self.layout = layout
         self.drain_lag_steps = drain_lag_steps
         self._reads = reads  # blocks a KV connector is still copying out (see the module doc)
+        self._held_below = held_below  # whether the CPU KV tier holds a block's content
         self.states = [GroupState.ACTIVE] * active_groups + [GroupState.RETIRED] * (
             layout.num_groups - active_groups
         )
@@ -213,8 +217,14 @@ class ElasticBlockPool:
         return free
 
     def _cached_count(self, group: int) -> int:
-        """Blocks of ``group`` that hold a prefix-cache entry (vLLM's ``block_hash``)."""
-        return sum(self.pool.blocks[b].block_hash is not None for b in self.layout.blocks_of(group))
+        """Blocks of ``group`` whose prefix-cache entry (vLLM's ``block_hash``) would be lost
+        with it: with a CPU KV tier, those it does not hold (a held one is reloaded, not
+        recomputed)."""
+        blocks = (self.pool.blocks[b] for b in self.layout.blocks_of(group))
+        cached = [block for block in blocks if block.block_hash is not None]
+        if self._held_below is None:
+            return len(cached)
+        return sum(not self._held_below(block) for block in cached)
 
     def _free_count(self, group: int) -> int:
         return sum(self._in_free_queue(self.pool.blocks[b]) for b in self.layout.blocks_of(group))

@@ -33,6 +33,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from dynoff.policy.algorithm import Decision, OffloadPolicy, Pressure
 from dynoff.policy.audit import ChangeAudit, Verdict
@@ -73,6 +74,7 @@ class OffloadController:
         expected_plan: PlanReport | None = None,
         max_running: int | None = None,
         kv_connector_reads: Callable[[], Collection[int]] | None = None,
+        kv_connector_holds: Callable[[KVCacheBlock], bool] | None = None,
     ) -> None:
         self.config = config
         self.max_running = max_running  # vLLM's max_num_seqs: the batch cannot grow past it
@@ -86,6 +88,7 @@ class OffloadController:
             plan.groups_at(0),
             config.policy.drain_lag_steps,
             reads=kv_connector_reads,
+            held_below=kv_connector_holds,
         )
         self.h2d_GBps = config.h2d_GBps or FALLBACK_H2D_GBPS
         self.piecewise_penalty_ms = (

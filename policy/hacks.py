@@ -29,6 +29,10 @@ elastic pool (:mod:`.block_pool`) keeps blocks out of circulation by editing it 
    whose stores to the CPU tier have not completed. vLLM frees those blocks at once and
    only flushes the stores if it hands a block out again; a block in it is still being
    read by a copy, so the elastic pool does not unmap it (:func:`kv_connector_reads`).
+9. ``CPUOffloadingManager._policy.get(key)`` (that connector's ``manager``; side-effect free,
+   unlike ``lookup``, which counts a hit): whether the CPU tier holds a block's content,
+   keyed as vLLM keys it (``make_offload_key(block hash, group)``). A cached block the CPU
+   tier holds costs a reload if it is dropped, not a recompute (:func:`kv_connector_holds`).
 """
 
 from __future__ import annotations
@@ -134,3 +138,25 @@ def kv_connector_reads(scheduler: Any) -> Callable[[], Collection[int]] | None:
             "(vLLM's CPU KV offloading: --kv-offloading-size N), not this one"
         )
     return pending.keys  # the same dict for the connector's life (reset_cache clears it)
+
+
+def kv_connector_holds(scheduler: Any) -> Callable[[KVCacheBlock], bool] | None:
+    """Whether the CPU KV tier holds a GPU block's content, ready to load (9), or None where
+    no connector is configured (or its manager keeps no such map)."""
+    from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    connector = getattr(scheduler, "connector", None)
+    manager = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+    policy = getattr(manager, "_policy", None)
+    if policy is None or not callable(getattr(policy, "get", None)):
+        return None
+
+    def holds(block: KVCacheBlock) -> bool:
+        block_hash = block.block_hash
+        if block_hash is None:
+            return False
+        entry = policy.get(make_offload_key(get_block_hash(block_hash), get_group_id(block_hash)))
+        return entry is not None and bool(entry.is_ready)
+
+    return holds

@@ -98,6 +98,7 @@ class DynamicOffloadScheduler(AsyncScheduler):
             expected_plan=plan_report(-1, plan, layout, config.kv_layout, plan.layer_pages),
             max_running=self.max_num_running_reqs,
             kv_connector_reads=hacks.kv_connector_reads(self),
+            kv_connector_holds=hacks.kv_connector_holds(self),
         )
         block_size = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self._block_size = block_size

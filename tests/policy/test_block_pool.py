@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from dynoff.policy.block_pool import ElasticBlockPool, GroupState
 from dynoff.policy.geometry import KVLayout, plan_capacity, torch_reserved
@@ -171,6 +172,37 @@ def test_a_shrink_takes_the_free_group_with_the_least_cached_prefix() -> None:
     again = make_request([*document, 1, 2, 3])
     _, hit_tokens, _ = manager.get_computed_blocks(again)
     assert hit_tokens == 8 * BLOCK_SIZE  # the whole document, from the cache
+    assert elastic.invariant_violations() == []
+
+
+def test_with_a_cpu_tier_a_prefix_it_holds_costs_nothing_to_drop() -> None:
+    """Two free groups: group 2 holds 4 cached blocks the CPU KV tier does not hold, group 3
+    a document of 8 that it does. Dropping group 3 costs reloads, dropping group 2
+    recomputes, so the shrink takes group 3, where counting cached blocks alone would take
+    group 2. (``held_below`` is the connector's answer, :func:`hacks.kv_connector_holds`;
+    here the test says which blocks the tier holds.)"""
+    from dynoff.policy import hacks
+
+    manager = make_manager(8 * GROUPS)
+    pool = manager.block_pool
+
+    def held(block: KVCacheBlock) -> bool:
+        return block.block_id in range(24, 32)
+
+    elastic = ElasticBlockPool(pool, layout(8 * GROUPS), active_groups=4, held_below=held)
+    filler = make_request(list(range(15 * BLOCK_SIZE)))  # blocks 1..15, kept: groups 0, 1
+    other = make_request(list(range(5000, 5000 + 8 * BLOCK_SIZE)))  # blocks 16..23: group 2
+    document = make_request(list(range(9000, 9000 + 8 * BLOCK_SIZE)))  # 24..31: group 3
+    for request in (filler, other, document):
+        assert manager.allocate_slots(request, request.num_tokens) is not None
+    manager.free(document)
+    manager.free(other)
+    hacks.evict_prefix_hashes(pool, range(20, 24))  # group 2 keeps 4 cached blocks
+    assert elastic._free_groups() == [3, 2]
+    elastic._held_below = None  # the same pool without the tier's view
+    assert elastic._free_groups() == [2, 3]
+    elastic._held_below = held
+    assert elastic.begin_shrink(1, step=0) == (3,)
     assert elastic.invariant_violations() == []
 
 

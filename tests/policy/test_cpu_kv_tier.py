@@ -118,6 +118,10 @@ def test_a_lowering_waits_for_the_cpu_tier_stores_and_the_prefix_comes_back_from
     assert not scheduler.running and pool.get_num_free_blocks() == 95
     assert len(worker.stores) == 3 and len(reads()) == 90
     assert scheduler.offload.status(BLOCK)["blocks_being_stored"] == 90  # what operators see
+    holds = hacks.kv_connector_holds(scheduler)
+    assert holds is not None
+    cached = [b for b in pool.blocks if b.block_hash is not None]
+    assert len(cached) == 90 and not any(holds(b) for b in cached)  # stores not complete
     for _ in range(8):  # step 3 begins the drain; it would be ready two steps later
         worker.step()
     assert [c.unmap_groups for c in worker.commands] == [()]  # no unmap while stores read
@@ -126,6 +130,8 @@ def test_a_lowering_waits_for_the_cpu_tier_stores_and_the_prefix_comes_back_from
     for _ in range(4):
         worker.step()
     assert not reads()
+    still_cached = [b for b in pool.blocks if b.block_hash is not None]
+    assert still_cached and all(holds(b) for b in still_cached)  # the CPU tier holds them now
     unmaps = [c for c in worker.commands if c.unmap_groups]
     assert len(unmaps) == 1 and scheduler.offload.level == 0 and pool.num_gpu_blocks == 64
     # The reclaimed blocks' prefixes left the GPU's prefix cache with their pages; the CPU

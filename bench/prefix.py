@@ -1,0 +1,196 @@
+"""The CPU KV tier issue's report: the seed's prefix-heavy doc-QA workload on four systems
+under ``vllm serve`` (stock, stock with vLLM's CPU KV offloading, the plugin, the plugin with
+it), rate sweeps with repetitions, to ``bench/results/prefix_h200.json`` and a plot.
+
+    python -m bench.prefix bench/results/prefix/*.json.gz --out bench/results/prefix_h200.json \\
+        --plots bench/results/plots
+
+Each input is one ``bench.serve_bench`` point (``bench/gpu/no_harm.sh`` writes them; the
+CPU tier's runs with ``SERVER_ARGS='--kv-offloading-size N'``). A run's system is its
+``system`` (stock | plugin), with ``_kvoff`` where its server had ``--kv-offloading-size``;
+its rate comes from the trace arguments; points of one system at one rate are repetitions
+(traces of different ``--seed``). Per system:
+
+* per rate: the repetitions' request throughput (mean and coefficient of variation), P99
+  TTFT, failed requests, and the prefix-cache hit rates from vLLM's own counters (in
+  tokens): ``hit_rate_gpu`` (``vllm:prefix_cache_hits / queries``) and ``hit_rate_cpu``
+  (``vllm:external_prefix_cache_hits / queries``, the connector's tier);
+* ``max_sustainable_rps``: the highest rate every repetition sustained (no failed request
+  and P99 TTFT within ``--ttft-bound-ms``), below the first one that was not;
+* ``cv``: the mean over rates of the throughput's coefficient of variation.
+
+And the issue's goals: the plugin with the CPU tier at least stock with it at every rate
+(throughput), with a CV no larger, and its max sustainable rate against twice stock's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bench.common import read_results, write_results
+from bench.no_harm import rate_of
+
+TTFT_BOUND_MS = 1000.0
+
+
+def system_of(run: dict[str, Any]) -> str:
+    command = " ".join(map(str, run.get("server_command") or []))
+    return str(run["system"]) + ("_kvoff" if "--kv-offloading-size" in command else "")
+
+
+def _ratio(hits: float | None, queries: float | None) -> float | None:
+    return round(hits / queries, 4) if hits is not None and queries else None
+
+
+def repetition(run: dict[str, Any], ttft_bound_ms: float) -> dict[str, Any]:
+    """One repetition's figures."""
+    client = run["client"]
+    peak = (run.get("server_metrics") or {}).get("peak") or {}
+    return {
+        "throughput": float(client["request_throughput"]),
+        "p99_ttft_ms": float(client["p99_ttft_ms"]),
+        "failed": int(client["failed"]),
+        "sustained": int(client["failed"]) == 0 and client["p99_ttft_ms"] <= ttft_bound_ms,
+        "hit_rate_gpu": _ratio(peak.get("prefix_hits"), peak.get("prefix_queries")),
+        "hit_rate_cpu": _ratio(
+            peak.get("external_prefix_hits"), peak.get("external_prefix_queries")
+        ),
+        "levels_visited": (run.get("plugin") or {}).get("levels_visited"),
+    }
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.fmean(present), 4) if present else None
+
+
+def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rate of one system over its repetitions."""
+    tputs = [r["throughput"] for r in reps]
+    mean = statistics.fmean(tputs)
+    cv = statistics.pstdev(tputs) / mean if mean and len(tputs) > 1 else None
+    return {
+        "repetitions": len(reps),
+        "throughput": round(mean, 4),
+        "cv": None if cv is None else round(cv, 4),
+        "p99_ttft_ms": round(max(r["p99_ttft_ms"] for r in reps), 2),
+        "failed": sum(r["failed"] for r in reps),
+        "sustained": all(r["sustained"] for r in reps),
+        "hit_rate_gpu": _mean([r["hit_rate_gpu"] for r in reps]),
+        "hit_rate_cpu": _mean([r["hit_rate_cpu"] for r in reps]),
+    }
+
+
+def max_sustainable(rates: dict[float, dict[str, Any]]) -> float | None:
+    best = None
+    for rate in sorted(rates):
+        if not rates[rate]["sustained"]:
+            break
+        best = rate
+    return best
+
+
+def report(paths: list[str], ttft_bound_ms: float = TTFT_BOUND_MS) -> dict[str, Any]:
+    by_system: dict[str, dict[float, list[dict[str, Any]]]] = {}
+    commands = []
+    for path in paths:
+        run = read_results(path)
+        rate = rate_of(run.get("point") or {})
+        if not isinstance(rate, float | int):
+            raise ValueError(f"{path}: no single rate in its point {run.get('point')}")
+        system = system_of(run)
+        by_system.setdefault(system, {}).setdefault(float(rate), []).append(
+            repetition(run, ttft_bound_ms)
+        )
+        commands.append({"file": str(path), "system": system, "command": run.get("command")})
+    systems: dict[str, Any] = {}
+    for system, rates in sorted(by_system.items()):
+        summary = {rate: summarize(reps) for rate, reps in sorted(rates.items())}
+        cvs = [s["cv"] for s in summary.values() if s["cv"] is not None]
+        systems[system] = {
+            "max_sustainable_rps": max_sustainable(summary),
+            "cv": round(statistics.fmean(cvs), 4) if cvs else None,
+            "hit_rate_gpu": _mean([s["hit_rate_gpu"] for s in summary.values()]),
+            "hit_rate_cpu": _mean([s["hit_rate_cpu"] for s in summary.values()]),
+            "rates": {str(rate): s for rate, s in summary.items()},
+        }
+    return {
+        "ttft_bound_ms": ttft_bound_ms,
+        "systems": systems,
+        "goals": goals(systems),
+        "runs": commands,
+    }
+
+
+def goals(systems: dict[str, Any]) -> dict[str, Any]:
+    """The issue's goals, where the runs allow them to be read (None: a system is missing)."""
+    ours, theirs, stock = (systems.get(s) for s in ("plugin_kvoff", "stock_kvoff", "stock"))
+    out: dict[str, Any] = {"no_harm_every_rate": None, "cv_no_larger": None, "twice_stock": None}
+    if ours and theirs:
+        shared = set(ours["rates"]) & set(theirs["rates"])
+        out["no_harm_every_rate"] = bool(shared) and all(
+            ours["rates"][r]["throughput"] >= theirs["rates"][r]["throughput"] for r in shared
+        )
+        if ours["cv"] is not None and theirs["cv"] is not None:
+            out["cv_no_larger"] = ours["cv"] <= theirs["cv"]
+    if ours and stock and ours["max_sustainable_rps"] and stock["max_sustainable_rps"]:
+        ratio = ours["max_sustainable_rps"] / stock["max_sustainable_rps"]
+        out["over_stock"] = round(ratio, 4)
+        out["twice_stock"] = ratio >= 2.0
+    return out
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> Path:
+    """Throughput and P99 TTFT against the offered rate, one line per system, the spread
+    of the repetitions as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for system, data in result["systems"].items():
+        rates = sorted(data["rates"], key=float)
+        xs = [float(r) for r in rates]
+        tput = [data["rates"][r]["throughput"] for r in rates]
+        spread = [(data["rates"][r]["cv"] or 0.0) * t for r, t in zip(rates, tput, strict=True)]
+        left.errorbar(xs, tput, yerr=spread, marker="o", capsize=3, label=system)
+        right.plot(xs, [data["rates"][r]["p99_ttft_ms"] / 1e3 for r in rates], marker="o")
+    left.set(xlabel="offered rate (req/s)", ylabel="completed (req/s)", title="throughput")
+    right.axhline(result["ttft_bound_ms"] / 1e3, color="gray", linestyle=":")
+    right.set(xlabel="offered rate (req/s)", ylabel="P99 TTFT (s)", title="worst repetition")
+    right.set_yscale("log")
+    left.legend(fontsize=8)
+    fig.suptitle("doc QA (16 documents of ~4k tokens) under vllm serve")
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "prefix.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="bench.serve_bench results (.json or .json.gz)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ttft-bound-ms", type=float, default=TTFT_BOUND_MS)
+    parser.add_argument("--plots", default=None, help="folder for prefix.png")
+    args = parser.parse_args()
+    result = report(args.runs, args.ttft_bound_ms)
+    write_results(args.out, result)
+    if args.plots:
+        print(f"wrote {plot(result, Path(args.plots))}")
+    for system, data in result["systems"].items():
+        print(
+            f"{system}: max sustainable {data['max_sustainable_rps']} req/s, cv {data['cv']}, "
+            f"hit rate GPU {data['hit_rate_gpu']} CPU {data['hit_rate_cpu']}"
+        )
+    print(f"goals: {result['goals']}")
+
+
+if __name__ == "__main__":
+    main()

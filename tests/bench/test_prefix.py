@@ -1,0 +1,75 @@
+"""The CPU KV tier report's arithmetic on hand-made serve_bench records: systems told apart
+by the server's flags, repetitions pooled per rate, the knee, the hit rates from vLLM's
+counters, and the issue's goals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.prefix import report
+
+
+def record(system: str, kvoff: bool, rate: float, seed: int, tput: float, ttft: float) -> Any:
+    server = ["vllm", "serve", "m"] + (["--kv-offloading-size", "32"] if kvoff else [])
+    hits = {"prefix_queries": 1000.0, "prefix_hits": 400.0}
+    if kvoff:
+        hits |= {"external_prefix_queries": 600.0, "external_prefix_hits": 300.0}
+    return {
+        "system": system,
+        "command": f"serve_bench --system {system}",
+        "server_command": server,
+        "point": {"trace": f"poisson --workload docqa --rate {rate} --seconds 60 --seed {seed}"},
+        "client": {"request_throughput": tput, "p99_ttft_ms": ttft, "failed": 0},
+        "server_metrics": {"peak": hits},
+    }
+
+
+def write(tmp_path: Path, records: list[Any]) -> list[str]:
+    paths = []
+    for i, r in enumerate(records):
+        path = tmp_path / f"{i}.json"
+        path.write_text(json.dumps(r))
+        paths.append(str(path))
+    return paths
+
+
+def test_systems_rates_repetitions_and_goals(tmp_path: Path) -> None:
+    records = []
+    for seed, jitter in enumerate((-0.1, 0.0, 0.1)):
+        records += [
+            record("stock", False, 2.0, seed, 1.9 + jitter, 400.0),
+            record("stock", False, 4.0, seed, 2.1 + jitter, 9000.0),  # past its knee
+            record("stock", True, 2.0, seed, 1.95 + jitter, 300.0),
+            record("stock", True, 4.0, seed, 3.8 + jitter, 800.0),
+            record("plugin", True, 2.0, seed, 1.96 + jitter / 2, 300.0),
+            record("plugin", True, 4.0, seed, 3.9 + jitter / 2, 700.0),
+        ]
+    records.append(record("plugin", True, 6.0, 0, 5.7, 900.0))
+    result = report(write(tmp_path, records))
+    systems = result["systems"]
+    assert set(systems) == {"stock", "stock_kvoff", "plugin_kvoff"}
+    assert systems["stock"]["max_sustainable_rps"] == 2.0
+    assert systems["stock_kvoff"]["max_sustainable_rps"] == 4.0
+    assert systems["plugin_kvoff"]["max_sustainable_rps"] == 6.0
+    four = systems["stock_kvoff"]["rates"]["4.0"]
+    assert four["repetitions"] == 3 and four["throughput"] == pytest.approx(3.8)
+    assert four["cv"] == pytest.approx(0.0215, abs=1e-4)  # pstdev 0.0816 over 3.8
+    assert systems["stock"]["hit_rate_gpu"] == 0.4 and systems["stock"]["hit_rate_cpu"] is None
+    assert systems["plugin_kvoff"]["hit_rate_cpu"] == 0.5
+    goals = result["goals"]
+    assert goals["no_harm_every_rate"] is True  # 1.96 >= 1.95 and 3.9 >= 3.8
+    assert goals["cv_no_larger"] is True  # half the jitter
+    assert goals["over_stock"] == 3.0 and goals["twice_stock"] is True
+
+
+def test_a_repetition_that_fails_a_request_is_not_sustained(tmp_path: Path) -> None:
+    ok = record("plugin", True, 2.0, 0, 2.0, 100.0)
+    bad = record("plugin", True, 2.0, 1, 2.0, 100.0)
+    bad["client"]["failed"] = 1
+    result = report(write(tmp_path, [ok, bad]))
+    assert result["systems"]["plugin_kvoff"]["max_sustainable_rps"] is None
+    assert result["goals"]["no_harm_every_rate"] is None  # stock_kvoff missing: not read

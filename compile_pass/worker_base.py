@@ -40,7 +40,7 @@ from dynoff.compile_pass.levels import LevelChanger, gather_all
 from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.timing import StepTimer, Timed
-from dynoff.policy.config import DynamicOffloadConfig
+from dynoff.policy.config import SUPPORTED_KV_CONNECTORS, DynamicOffloadConfig
 from dynoff.policy.geometry import (
     CapacityPlan,
     KVLayout,
@@ -110,9 +110,6 @@ def check_gpu_config(vllm_config: Any) -> None:
             f"graphs, which this mode does not capture; use one of {STEERABLE_MODES} "
             "(the default FULL_AND_PIECEWISE keeps FULL decode graphs at k = 0)"
         )
-
-
-SUPPORTED_KV_CONNECTORS = ("OffloadingConnector",)
 
 
 def check_kv_connector(vllm_config: Any) -> None:

@@ -22,6 +22,8 @@ RULE_DEFAULTS: dict[str, tuple[Estimator, Proxy]] = {
 
 
 KV_LAYOUTS = ("auto", "packed", "per_layer")
+# KV connectors the plugin coordinates with: vLLM's CPU KV offloading (--kv-offloading-size)
+SUPPORTED_KV_CONNECTORS = ("OffloadingConnector",)
 
 
 @dataclasses.dataclass(frozen=True)

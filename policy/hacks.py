@@ -43,6 +43,8 @@ from typing import Any
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from dynoff.policy.config import SUPPORTED_KV_CONNECTORS
+
 VLLM_VERSION = "0.26.0"
 
 FreeBlocks = Callable[[Iterable[KVCacheBlock]], None]
@@ -116,9 +118,6 @@ def waiting_blocks(scheduler: Any, block_size: int, limit: int) -> int:
             if total >= limit:
                 return limit
     return total
-
-
-SUPPORTED_KV_CONNECTORS = ("OffloadingConnector",)
 
 
 def kv_connector_reads(scheduler: Any) -> Callable[[], Collection[int]] | None:

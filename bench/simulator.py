@@ -113,6 +113,11 @@ class ServedModel:
     kv_bytes_per_token: int  # every layer, every KV head, bf16
     hidden: int
     fp8: bool = False
+    # Mixture of experts: ``params`` are those a token multiplies (its experts), the weight
+    # bytes every expert's (a decode batch touches them all). The plugin refuses MoE models
+    # in serving; the simulator plans the KV tiers for the MoE layer's bytes on a dense
+    # stand-in of its config (:func:`build_scheduler`), and says so in its results.
+    moe: bool = False
 
 
 MACHINES = {
@@ -124,6 +129,10 @@ MODELS = {
     "qwen3-32b": ServedModel("tests/models/qwen3-32b", 64, 32.76e9, 62.41e9, 3.11e9, 262_144, 5120),
     "llama-3.1-70b-fp8": ServedModel(
         "tests/models/llama-3.1-70b", 80, 70.55e9, 68.45e9, 4.20e9, 327_680, 8192, fp8=True
+    ),
+    # 56 layers of attention (88.1M) and 8 experts of 302M (2 active), bf16; 32,768 vocab
+    "mixtral-8x22b": ServedModel(
+        "tests/models/mixtral-8x22b", 56, 39.2e9, 280.4e9, 0.81e9, 229_376, 6144, moe=True
     ),
 }
 # The reference every other (machine, model, TP) is scaled from: the H200's Qwen3-32B.
@@ -196,6 +205,13 @@ def build_scheduler(args: argparse.Namespace, model: StepModel) -> Any:
         model=args.model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=8192
     )
     text = model_config.hf_config
+    served = MODELS.get(getattr(args, "served_model", ""))
+    if served is not None and served.moe and args.system == "plugin":
+        from dynoff.policy.geometry import MOE_EXPERT_KEYS
+
+        for key in MOE_EXPERT_KEYS:  # the dense stand-in: the plan takes layer_bytes below
+            if hasattr(text, key):
+                setattr(text, key, 1)
     tp = getattr(args, "tp", 1)
     spec = FullAttentionSpec(
         block_size=16,
@@ -587,6 +603,12 @@ def main() -> None:
             else f"a SCALED step model (scaled_step_model): {args.served_model} on "
             f"{args.machine}, TP {args.tp}, stock's KV at {args.utilization}: "
             f"{args.kv_blocks} blocks a GPU"
+            + (
+                "; mixture of experts: the KV tiers planned for the MoE layer's bytes on a "
+                "dense stand-in of its config (the plugin refuses MoE models in serving)"
+                if MODELS[args.served_model].moe
+                else ""
+            )
         )
         result.update(
             version=version,

@@ -82,3 +82,34 @@ def test_the_scaled_step_model_is_the_calibrated_one_on_the_reference() -> None:
     assert stock_kv_blocks(MACHINES["gh200"], llama, 1, 0.9) < 4000
     with pytest.raises(ValueError, match="no KV"):
         stock_kv_blocks(MACHINES["gh200"], llama, 1, 0.7)
+
+
+def test_a_mixture_of_experts_model_is_simulated_on_a_dense_stand_in_and_still_refused() -> None:
+    """Mixtral-8x22B: the simulator plans the KV tiers for the MoE layer's bytes (every
+    expert, a quarter of them a GPU at TP 4) on a dense stand-in of its config, while the
+    plugin itself refuses the model."""
+    from vllm.config import ModelConfig
+
+    from bench.simulator import MACHINES, MODELS, build_scheduler, scaled_step_model
+    from dynoff.policy.geometry import UnsupportedModelError, refuse_unmodelled
+
+    mixtral = MODELS["mixtral-8x22b"]
+    model = scaled_step_model(MACHINES["gh200"], mixtral, tp=4)
+    assert model.layer_bytes == pytest.approx(2 * 2.504e9 / 4, rel=0.01)  # bf16, 8 experts
+    args = argparse.Namespace(
+        system="plugin",
+        served_model="mixtral-8x22b",
+        model=str(ROOT / mixtral.config_dir),
+        tp=4,
+        kv_blocks=2000,
+        max_level=4,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        plugin_config="{}",
+    )
+    scheduler = build_scheduler(args, model)
+    assert scheduler.offload.plan.max_level == 4
+    scheduler.shutdown()
+    config = ModelConfig(model=args.model, skip_tokenizer_init=True, dtype="bfloat16")
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+        refuse_unmodelled(config.hf_config)  # the product's own path

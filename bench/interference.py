@@ -112,9 +112,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with torch.cuda.stream(side):
                 copy(source)  # warm-up (and the pacer's plan)
             side.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             one_ms = _copy_ms(functools.partial(copy, source), side)
             count = max(1, int(args.steps * alone_ms * 1.5 / max(one_ms, 1e-3)) + 1)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(side):
                 start.record()
                 for _ in range(count):

@@ -39,7 +39,7 @@ import statistics
 from typing import Any
 
 from bench.common import read_results, write_results
-from bench.serve_bench import failure_kind
+from bench.serve_bench import disconnected_failures
 
 
 def forced_schedule(start: int, every: int, cycles: int, level: int = 1) -> list[list[int]]:
@@ -74,12 +74,11 @@ def soak_report(path: str) -> dict[str, Any]:
     client = run.get("client") or {}
     failures = int(plugin.get("resize_failures", 0))
     failed = int(client.get("failed", -1))
-    kinds = [f.get("kind") or failure_kind(f.get("error", "")) for f in client.get("failures", [])]
     return {
         "level_changes": int(plugin.get("level_changes", 0)),
         "failed_requests": failed,
         # of those, requests whose connection closed before any response (serve_bench)
-        "failed_disconnected": kinds.count("disconnected"),
+        "failed_disconnected": disconnected_failures(client),
         "completed_requests": int(client.get("completed", 0)),
         "resize_failures": failures,
         # A failed resize leaves the server at its old level, serving on; the run finished

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import read_results, write_results
-from bench.serve_bench import failure_kind
+from bench.serve_bench import disconnected_failures
 
 # ratio name -> (vLLM result key, bound, "min" if the ratio must be at least the bound)
 BOUNDS: dict[str, tuple[str, float, str]] = {
@@ -87,8 +87,7 @@ def report(paths: list[str]) -> dict[str, Any]:
     for run in runs:
         system, client = run["system"], run["client"]
         failed[system] = failed.get(system, 0) + int(client["failed"])
-        kinds = [failure_kind(f.get("error", "")) for f in client.get("failures", [])]
-        disconnected[system] = disconnected.get(system, 0) + kinds.count("disconnected")
+        disconnected[system] = disconnected.get(system, 0) + disconnected_failures(client)
     visited = sorted({k for r in runs for k in r.get("plugin", {}).get("levels_visited", [])})
     return {
         "bounds": {name: {"bound": b, "kind": kind} for name, (_, b, kind) in BOUNDS.items()},

@@ -357,6 +357,14 @@ def failure_kind(error: str) -> str:
     return "disconnected" if DISCONNECTED in error else "error"
 
 
+def disconnected_failures(client: dict[str, Any]) -> int:
+    """Failed requests of a client result whose connection closed before any response (a
+    failure's ``kind``, or read from its error text where an older result has none)."""
+    failures = client.get("failures") or []
+    kinds = [f.get("kind") or failure_kind(f.get("error", "")) for f in failures]
+    return kinds.count("disconnected")
+
+
 def client_result(path: Path) -> dict[str, Any]:
     """vLLM's result without its per-request arrays (``--save-detailed`` writes them so
     that a failed request's error is kept), plus ``failures``: each failed request's index,

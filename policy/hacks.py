@@ -41,7 +41,8 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash, get_group_id
+from vllm.v1.kv_offload.base import make_offload_key
 
 from dynoff.policy.config import SUPPORTED_KV_CONNECTORS
 
@@ -142,9 +143,6 @@ def kv_connector_reads(scheduler: Any) -> Callable[[], Collection[int]] | None:
 def kv_connector_holds(scheduler: Any) -> Callable[[KVCacheBlock], bool] | None:
     """Whether the CPU KV tier holds a GPU block's content, ready to load (9), or None where
     no connector is configured (or its manager keeps no such map)."""
-    from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
-    from vllm.v1.kv_offload.base import make_offload_key
-
     connector = getattr(scheduler, "connector", None)
     manager = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
     policy = getattr(manager, "_policy", None)

@@ -22,13 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from dynoff.policy import hacks
 from dynoff.policy.messages import ResizeOutcome, StepReport
 from dynoff.policy.scheduler import DynamicOffloadScheduler
 from tests.policy.test_scheduler import build as build_scheduler
+from tests.policy.test_scheduler import finish_step
 
 BLOCK = 16
 PROMPT = 30 * BLOCK  # 30 full blocks: each is stored to the CPU tier
@@ -85,17 +86,10 @@ class Worker:
             for job in sorted(self.stores):
                 done.mark_completed(job)
             self.stores.clear()
-        req_ids = list(output.num_scheduled_tokens)
-        result = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[7] for _ in req_ids],
-            kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=done),
-        )
         tokens = output.total_num_scheduled_tokens
         report = StepReport(step, self.level, 5.0, 0, tokens, outcomes)
-        result.dynamic_offload = report  # type: ignore[attr-defined]
-        self.scheduler.update_from_output(output, result)
+        connector = KVConnectorOutput(kv_connector_worker_meta=done)
+        finish_step(self.scheduler, output, report, connector)
 
 
 def test_a_lowering_waits_for_the_cpu_tier_stores_and_the_prefix_comes_back_from_it(

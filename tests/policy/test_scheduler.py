@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
 from dynoff.policy.geometry import (
@@ -64,12 +64,20 @@ def build(
     )
 
 
-def finish_step(scheduler: DynamicOffloadScheduler, output, report: StepReport) -> None:
+def finish_step(
+    scheduler: DynamicOffloadScheduler,
+    output,
+    report: StepReport,
+    connector: KVConnectorOutput | None = None,
+) -> None:
+    """The workers' answer to ``output``: one sampled token per request, the plugin's
+    ``report`` and, with a KV connector, its worker half's ``connector`` output."""
     req_ids = list(output.num_scheduled_tokens)
     result = ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=[[7] for _ in req_ids],
+        kv_connector_output=connector,
     )
     result.dynamic_offload = report  # type: ignore[attr-defined]
     scheduler.update_from_output(output, result)

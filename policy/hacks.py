@@ -22,8 +22,11 @@ elastic pool (:mod:`.block_pool`) keeps blocks out of circulation by editing it 
 6. ``BlockPool.cached_block_hash_to_block._cache``: the prefix map's storage (a block or a
    ``{block_id: block}`` dict per hash), read by the invariant checks only.
 7. ``Scheduler.skipped_waiting``: the requests a schedule skipped (beside ``waiting``),
-   counted as pressure; with ``Request.num_prompt_tokens`` and ``max_tokens``, the KV
-   they may need.
+   counted as pressure unless their status says KV would not admit them sooner (vLLM's
+   ``Scheduler._is_blocked_waiting_status``: a load from the CPU tier, which already holds
+   its blocks, a grammar, a streamed input); with ``Request.num_prompt_tokens``,
+   ``max_tokens`` and ``block_hashes``, and ``BlockPool.get_cached_block``, the KV they
+   may need beyond the prefixes the GPU already caches.
 8. ``OffloadingConnectorScheduler._block_id_to_pending_jobs`` (``Scheduler.connector``'s
    ``connector_scheduler``, vLLM's CPU KV offloading): the GPU blocks of finished requests
    whose stores to the CPU tier have not completed. vLLM frees those blocks at once and
@@ -37,12 +40,13 @@ elastic pool (:mod:`.block_pool`) keeps blocks out of circulation by editing it 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash, get_group_id
 from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.request import Request, RequestStatus
 
 from dynoff.policy.config import SUPPORTED_KV_CONNECTORS
 
@@ -100,24 +104,76 @@ def prefix_cached_blocks(pool: BlockPool) -> list[KVCacheBlock]:
     return out
 
 
+# A waiting request in one of these states is not refused KV: more capacity would not
+# admit it sooner (7). vLLM keeps such requests in ``skipped_waiting``.
+_BLOCKED = frozenset(
+    {
+        RequestStatus.WAITING_FOR_REMOTE_KVS,  # loading from the CPU tier, its blocks held
+        RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+        RequestStatus.WAITING_FOR_STREAMING_REQ,
+    }
+)
+
+
+def _refused(scheduler: Any) -> Iterator[Request]:
+    """The waiting requests more KV could admit, in the order vLLM's FCFS schedule takes
+    them (skipped ones first) (7)."""
+    for request in scheduler.skipped_waiting:
+        if request.status not in _BLOCKED:
+            yield request
+    yield from scheduler.waiting
+
+
 def num_waiting(scheduler: Any) -> int:
-    """Requests the last schedule left waiting, skipped ones included (7)."""
-    return len(scheduler.waiting) + len(scheduler.skipped_waiting)
+    """Requests the last schedule left waiting for KV or the batch, skipped ones included,
+    those waiting on something else (a CPU-tier load, a grammar) not (7)."""
+    skipped = sum(r.status not in _BLOCKED for r in scheduler.skipped_waiting)
+    return len(scheduler.waiting) + skipped
 
 
-def waiting_blocks(scheduler: Any, block_size: int, limit: int) -> int:
-    """KV blocks the waiting requests may need before they finish (7): each one's prompt
-    and ``max_tokens`` of output (vLLM sets it for every request), in blocks; an upper
-    bound (prefix-cache hits and early stops not subtracted). A request's footprint, not
-    its prompt, is what a level's KV must hold: a short prompt with a long answer grows
-    for thousands of steps. The sum stops once it reaches ``limit``, so a long queue costs
-    no more than a short one."""
+def _leading(hashes: Sequence[bytes], present: Callable[[bytes], bool]) -> int:
+    """How many leading ``hashes`` are ``present``. Block hashes chain (each covers the
+    whole prefix before it), so a cached prefix is a run from the start: a binary search,
+    log2(blocks) lookups, not one per block."""
+    lo, hi = 0, len(hashes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if present(hashes[mid]):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def waiting_blocks(
+    scheduler: Any, block_size: int, limit: int, max_requests: int | None = None
+) -> int:
+    """New KV blocks the waiting requests may need before they finish (7): each one's
+    prompt and ``max_tokens`` of output (vLLM sets it for every request), in blocks, less
+    its prompt's leading blocks that the GPU's prefix cache holds or that a request before
+    it in the queue brings (questions on one document share its blocks). A request's
+    footprint, not its prompt, is what a level's KV must hold: a short prompt with a long
+    answer grows for thousands of steps. An upper bound still: early stops are not known.
+    A block the CPU KV tier holds counts: it is loaded into a GPU block. Only the first
+    ``max_requests`` requests count (the batch cannot take more), and the sum stops once it
+    reaches ``limit``, so a long queue costs no more than a short one."""
+    pool = scheduler.kv_cache_manager.block_pool
+    groups = list(range(len(scheduler.kv_cache_config.kv_cache_groups)))
+    seen: set[bytes] = set()
+
+    def present(block_hash: bytes) -> bool:
+        return block_hash in seen or pool.get_cached_block(block_hash, groups) is not None
+
     total = 0
-    for queue in (scheduler.waiting, scheduler.skipped_waiting):
-        for request in queue:
-            total += (request.num_prompt_tokens + request.max_tokens) // block_size + 1
-            if total >= limit:
-                return limit
+    for n, request in enumerate(_refused(scheduler)):
+        if max_requests is not None and n >= max_requests:
+            break
+        hashes = request.block_hashes
+        shared = _leading(hashes, present) if hashes else 0
+        seen.update(hashes[shared:])  # the leading ones are seen or cached already
+        total += (request.num_prompt_tokens + request.max_tokens) // block_size + 1 - shared
+        if total >= limit:
+            return limit
     return total
 
 

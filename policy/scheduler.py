@@ -7,8 +7,10 @@ A thin subclass of vLLM's ``AsyncScheduler``: each step it asks the
 
 vLLM internals touched (vLLM 0.26.0), each through :mod:`dynoff.policy.hacks`:
 ``Scheduler.kv_cache_manager.block_pool``'s free list and capacity, and
-``Scheduler.skipped_waiting`` and, with vLLM's CPU KV offloading, its connector's pending
-stores; besides, the public ``waiting``, ``running``, ``connector`` and ``current_step``.
+``Scheduler.skipped_waiting`` (a request loading its KV from the CPU tier holds its blocks:
+it is not pressure) and, with vLLM's CPU KV offloading, its connector's pending stores and
+what its CPU tier holds; besides, the public ``waiting``, ``running``, ``connector`` and
+``current_step``.
 Nothing is patched globally.
 """
 
@@ -138,8 +140,9 @@ class DynamicOffloadScheduler(AsyncScheduler):
         )
         output = super().schedule(*args, **kwargs)
         self._left_waiting = hacks.num_waiting(self)
+        room = max(self.max_num_running_reqs - len(self.running), 0)
         self._demand_blocks = (
-            hacks.waiting_blocks(self, self._block_size, self.offload.plan.num_blocks)
+            hacks.waiting_blocks(self, self._block_size, self.offload.plan.num_blocks, room)
             if self._left_waiting
             else 0
         )

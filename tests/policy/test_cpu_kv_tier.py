@@ -23,7 +23,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from dynoff.policy import hacks
 from dynoff.policy.messages import ResizeOutcome, StepReport
@@ -138,6 +138,11 @@ def test_a_lowering_waits_for_the_cpu_tier_stores_and_the_prefix_comes_back_from
     loads = output.kv_connector_metadata.load_jobs
     loaded = sum(len(job.dst_spec.block_ids) for job in loads.values())
     assert loaded >= 1 and on_gpu + loaded * BLOCK == PROMPT  # the rest from the CPU tier
+    # While it loads, vLLM parks it in skipped_waiting with its blocks allocated: KV would
+    # not admit it sooner, so it is no pressure on the level (nor demand for blocks).
+    assert again.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert again in scheduler.skipped_waiting and hacks.num_waiting(scheduler) == 0
+    assert scheduler._left_waiting == 0 and scheduler._demand_blocks == 0
     assert scheduler.offload.elastic.invariant_violations() == []
     scheduler.shutdown()
 

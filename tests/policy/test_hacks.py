@@ -95,11 +95,79 @@ def test_requests_the_scheduler_skipped_count_as_waiting(tmp_path) -> None:
     scheduler = build(tmp_path, schedule=[])
     assert hacks.num_waiting(scheduler) == 0
     scheduler.skipped_waiting.add_request(make_request(list(range(BLOCK_SIZE))))
-    scheduler.add_request(make_request(list(range(BLOCK_SIZE))))
+    scheduler.add_request(make_request(list(range(100, 100 + BLOCK_SIZE))))
     assert hacks.num_waiting(scheduler) == 2
     # Their KV at most: a block-sized prompt and max_tokens=16 of output, 3 blocks each.
     assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100) == 6
-    scheduler.add_request(make_request(list(range(3 * BLOCK_SIZE + 1))))
+    scheduler.add_request(make_request(list(range(200, 200 + 3 * BLOCK_SIZE + 1))))
     assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100) == 6 + 5
     assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=5) == 5  # stops at the limit
+    # Only as many requests as the batch can still take count.
+    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100, max_requests=2) == 6
+    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100, max_requests=0) == 0
     scheduler.shutdown()
+
+
+def test_a_request_loading_from_the_cpu_tier_or_its_grammar_is_not_kv_pressure(
+    tmp_path,
+) -> None:
+    """vLLM parks a request whose KV is loading from the CPU tier (its blocks already
+    allocated), or whose grammar compiles, in ``skipped_waiting``: more KV would not admit
+    it sooner, so it is neither pressure nor demand. Counted, every CPU-tier hit would read
+    as a queue refused for KV, and its prompt's blocks twice."""
+    from vllm.v1.request import RequestStatus
+
+    from tests.policy.test_scheduler import build
+
+    scheduler = build(tmp_path, schedule=[])
+    statuses = (
+        RequestStatus.WAITING_FOR_REMOTE_KVS,
+        RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+        RequestStatus.WAITING_FOR_STREAMING_REQ,
+    )
+    for i, status in enumerate(statuses):
+        request = make_request(list(range(1000 * i, 1000 * i + 2 * BLOCK_SIZE)))
+        request.status = status
+        scheduler.skipped_waiting.add_request(request)
+    assert hacks.num_waiting(scheduler) == 0
+    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100) == 0
+    skipped = make_request(list(range(5000, 5000 + BLOCK_SIZE)))  # e.g. skipped for LoRA
+    scheduler.skipped_waiting.add_request(skipped)
+    assert hacks.num_waiting(scheduler) == 1
+    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100) == 3
+    scheduler.shutdown()
+
+
+def test_demand_counts_a_shared_prefix_once_and_a_gpu_cached_prefix_not_at_all() -> None:
+    """Questions on one document need its blocks once, and not at all while the GPU's
+    prefix cache holds them: the demand a level is priced against is new blocks."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+    from vllm.v1.request import Request
+
+    manager = make_manager(64)
+    document = list(range(4 * BLOCK_SIZE))  # 4 full blocks
+
+    def question(i: int) -> Request:
+        return make_request([*document, 9000 + i])  # the document and one token more
+
+    waiting = create_request_queue(SchedulingPolicy.FCFS)
+    scheduler = SimpleNamespace(
+        kv_cache_manager=manager,
+        kv_cache_config=manager.kv_cache_config,
+        waiting=waiting,
+        skipped_waiting=create_request_queue(SchedulingPolicy.FCFS),
+    )
+    for i in range(3):
+        waiting.add_request(question(i))
+    # (4 * 16 + 1 + 16) // 16 + 1 = 6 blocks each; the document's 4 counted once.
+    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100) == 6 + 2 * (6 - 4)
+    # Once a request on the document has run, the GPU caches its blocks: nobody needs them.
+    first = question(99)
+    assert manager.allocate_slots(first, first.num_tokens) is not None
+    manager.free(first)
+    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100) == 3 * (6 - 4)
+    # A document the GPU no longer caches is needed again.
+    hacks.evict_prefix_hashes(manager.block_pool, range(64))
+    assert hacks.waiting_blocks(scheduler, BLOCK_SIZE, limit=100) == 6 + 2 * (6 - 4)

@@ -253,7 +253,22 @@ def plugin_summary(trace: Path, start: int = 0, end: int | None = None) -> dict[
         "audits": [e for e in events if e["event"] == "audit"],
         "level_change_stall_ms": change_stalls(events),
         "decisions": _count(r.get("decision") for r in records if r.get("kind") == "step"),
+        "level_timeline": level_timeline(records),
     }
+
+
+def level_timeline(records: list[dict[str, Any]]) -> list[list[float]]:
+    """``[seconds, level]`` at the point's first step and at every level change after it,
+    the seconds counted from that first step (the level trace's plot)."""
+    steps = [r for r in records if r.get("kind") == "step" and "t" in r]
+    if not steps:
+        return []
+    t0, level = steps[0]["t"], steps[0]["level"]
+    timeline = [[0.0, level]]
+    for r in records:
+        if r.get("kind") == "event" and r.get("event") == "level_change" and "t" in r:
+            timeline.append([round(r["t"] - t0, 3), r["to_level"]])
+    return timeline
 
 
 def change_stalls(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

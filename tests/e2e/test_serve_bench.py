@@ -82,6 +82,9 @@ def test_the_plugin_calibrates_decides_and_records_every_change(runs: dict[str, 
     assert len(plugin["level_change_stall_ms"]) == plugin["level_changes"]
     assert all(c["stall_ms"] > 0 for c in plugin["level_change_stall_ms"])
     assert all(c["blocked_ms"] >= c["stall_ms"] for c in plugin["level_change_stall_ms"])
+    timeline = plugin["level_timeline"]  # the level trace's plot: its start and each change
+    assert timeline[0][0] == 0.0 and len(timeline) == plugin["level_changes"] + 1
+    assert [t for t, _ in timeline] == sorted(t for t, _ in timeline)
     plan = plugin["plan"]  # the reclaim group the level-change report quotes
     assert plan["kv_layout"] == "per_layer" and plan["group_blocks"] >= 1
     assert plan["group_tokens"] > 0 and plan["group_tokens"] % plan["group_blocks"] == 0
@@ -117,3 +120,21 @@ def test_the_no_harm_report_pairs_the_runs_point_by_point(runs: dict[str, Path])
         assert point["throughput_ratio"] > 0 and point["e2e_p99_ratio"] > 0
     assert result["failed_requests"] == {"stock": 0, "plugin": 0}
     assert result["unpaired"] == []
+
+
+def test_the_fast_link_report_reads_the_systems_from_the_servers_commands(
+    runs: dict[str, Path],
+) -> None:
+    """The same runs through the fast-link report: the plugin on its real link (here the
+    CPU's host home), not an emulation; stock at the same memory setting."""
+    from bench.fastlink import report as fastlink
+
+    result = fastlink([str(p) for p in runs.values()])
+    assert result["emulation"] is False
+    for workload in ("bursty", "poisson"):
+        systems = result["workloads"][workload]["systems"]
+        assert set(systems) == {"stock", "dynamic@host"}
+        assert systems["dynamic@host"]["link_GBps_target"] is None
+        assert systems["dynamic@host"]["link_GBps_achieved"] > 0  # the start-up calibration
+        assert systems["stock"]["failed_requests"] == 0
+    assert result["goals"] == {}  # goals are read on an emulated fast link only

@@ -1,0 +1,318 @@
+"""The fast-link issue's report: serving on an emulated GH200-class link (a device home paced
+to ``home_GBps``) against stock vLLM, the best static level and stock at 0.9, under ``vllm
+serve``, to ``bench/results/fastlink_h200.json`` and plots.
+
+    python -m bench.fastlink bench/results/fastlink/*.json.gz \\
+        [--interference bench/results/fastlink/interference_h200.json] \\
+        --out bench/results/fastlink_h200.json --plots bench/results/plots
+
+Each input is one ``bench.serve_bench`` point (``bench/gpu/no_harm.sh`` writes them). A run's
+system is read from its server's command, not from a label:
+
+* ``stock``: stock vLLM at the plugin runs' ``--gpu-memory-utilization``; ``stock_0.9`` (say)
+  at another, the ceiling of what more KV buys on the GPU;
+* ``dynamic@LINK``: the plugin with its policy; ``static_kK@LINK``: the plugin held at level
+  K (a ``level_schedule`` of one level);
+* ``LINK``: ``host`` for the pinned host home (the real link: PCIe here, NVLink-C2C on a
+  GH200), ``390GBps`` (say) for a device home paced to that bandwidth: **an emulation** of
+  a fast link on one GPU, labelled so in every figure (``emulation: true``).
+
+Per workload and system, over its rates: each rate's client figures and whether it was
+sustained (no failed request, and the server's waiting queue did not grow over the trace:
+``bench.serving``'s rule, its slope below 2% of the offered rate), ``max_sustainable_rps``
+(the highest achieved rate among the sustained ones) and ``knee`` (how the sweep passed its
+knee, or None: a lower bound only). For the plugin: ``link_GBps_target``, the calibration's
+``link_GBps_achieved`` and ``levels_visited``. Per workload and link, the ratios
+``dynamic_over_stock`` and ``dynamic_over_best_static``, and ``ceiling_over_stock``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.common import read_results, write_results
+from bench.no_harm import rate_of
+from bench.serving import max_sustainable_rate, queue_slope, sustainable
+from bench.serving_report import knee
+
+EMULATION_NOTE = (
+    "EMULATION: the 'device' home keeps offloaded layers in HBM outside vLLM's budget and "
+    "paces device-to-device copies to home_GBps; a real fast link moves bytes with a DMA "
+    "engine over NVLink-C2C. See 'interference' for what the emulation costs by itself."
+)
+CLIENT_KEYS = ("request_throughput", "mean_e2el_ms", "p99_e2el_ms", "p99_ttft_ms", "median_tpot_ms")
+
+
+def _flag(command: list[str], name: str) -> str | None:
+    for i, word in enumerate(command):
+        if word == name and i + 1 < len(command):
+            return command[i + 1]
+        if word.startswith(name + "="):
+            return word.split("=", 1)[1]
+    return None
+
+
+def plugin_config(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The plugin's configuration as its server got it (None: a stock server)."""
+    raw = _flag(list(map(str, run.get("server_command") or [])), "--additional-config")
+    if run.get("system") != "plugin" or raw is None:
+        return None
+    return dict(json.loads(raw).get("dynamic_offload") or {})
+
+
+def utilization(run: dict[str, Any]) -> float | None:
+    value = _flag(list(map(str, run.get("server_command") or [])), "--gpu-memory-utilization")
+    return None if value is None else float(value)
+
+
+def link_of(config: dict[str, Any]) -> tuple[str, float | None]:
+    """``(name, target GB/s)`` of the plugin's copy source."""
+    if config.get("home") == "device":
+        target = config.get("home_GBps")
+        return (f"{float(target):g}GBps" if target else "device_unpaced"), target
+    return "host", None
+
+
+def system_of(run: dict[str, Any], plugin_util: float | None) -> str:
+    config = plugin_config(run)
+    if config is None:
+        util = utilization(run)
+        return "stock" if util is None or util == plugin_util else f"stock_{util:g}"
+    link, _ = link_of(config)
+    levels = {int(level) for _, level in config.get("level_schedule") or []}
+    if len(levels) == 1:
+        return f"static_k{levels.pop()}@{link}"
+    return f"dynamic@{link}"
+
+
+def _seconds(point: dict[str, Any]) -> float | None:
+    """The trace's arrival window (``--seconds S``), where its arguments give one."""
+    words = str(point.get("trace", "")).split()
+    if "--seconds" in words[:-1]:
+        return float(words[words.index("--seconds") + 1])
+    return None
+
+
+def rate_row(run: dict[str, Any]) -> dict[str, Any]:
+    """One rate of one system: the client's figures and whether it was sustained."""
+    point, client = run.get("point") or {}, run["client"]
+    rate = rate_of(point)
+    samples = (run.get("server_metrics") or {}).get("samples") or []
+    window = _seconds(point) or max((s["t"] for s in samples), default=0.0)
+    slope = queue_slope([(s["t"], s.get("waiting", 0.0)) for s in samples], 0.0, window)
+    failed = int(client.get("failed", 0))
+    row: dict[str, Any] = {
+        "target_rate": rate,
+        "achieved_rate": round(float(client["request_throughput"]), 3),
+        "queue_slope": round(slope, 4),
+        "failed": failed,
+        "sustainable": failed == 0 and isinstance(rate, float | int) and sustainable(slope, rate),
+    }
+    row.update({key: client.get(key) for key in CLIENT_KEYS})
+    plugin = run.get("plugin") or {}
+    if plugin:
+        row["levels_visited"] = sorted(set(plugin.get("levels_visited") or [0]))
+        row["level_changes"] = plugin.get("level_changes")
+    return row
+
+
+def _system_summary(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = sorted((rate_row(r) for r in runs), key=lambda r: float(r["target_rate"] or 0.0))
+    out: dict[str, Any] = {
+        "max_sustainable_rps": max_sustainable_rate(rows),
+        "knee": knee(rows),
+        "failed_requests": sum(r["failed"] for r in rows),
+        "rates": rows,
+    }
+    config = plugin_config(runs[0])
+    if config is not None:
+        link, target = link_of(config)
+        calibrations = [(r.get("plugin") or {}).get("calibration") or {} for r in runs]
+        achieved = [float(c["h2d_GBps"]) for c in calibrations if c.get("h2d_GBps")]
+        out["link"] = link
+        out["link_GBps_target"] = target
+        out["link_GBps_achieved"] = round(min(achieved), 2) if achieved else None
+        out["emulation"] = config.get("home") == "device"
+        out["levels_visited"] = sorted({lv for r in rows for lv in r.get("levels_visited", [])})
+        out["timelines"] = {
+            str(rate_of(run.get("point") or {})): (run.get("plugin") or {}).get("level_timeline")
+            or []
+            for run in runs
+        }
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
+def compare(systems: dict[str, Any]) -> dict[str, Any]:
+    """Per link: the dynamic system against stock and against the best static level."""
+    stock = systems.get("stock", {}).get("max_sustainable_rps")
+    out: dict[str, Any] = {}
+    for name, data in systems.items():
+        if not name.startswith("dynamic@"):
+            continue
+        link = name.split("@", 1)[1]
+        statics = {
+            n: d["max_sustainable_rps"]
+            for n, d in systems.items()
+            if n.startswith("static_k") and n.endswith("@" + link)
+        }
+        best = max(statics, key=lambda n: statics[n] or 0.0, default=None)
+        ours = data["max_sustainable_rps"]
+        out[link] = {
+            "emulation": data["emulation"],
+            "dynamic_over_stock": _ratio(ours, stock),
+            "best_static": best,
+            "dynamic_over_best_static": _ratio(ours, statics.get(best)) if best else None,
+            "exact": data["knee"] is not None and systems.get("stock", {}).get("knee") is not None,
+        }
+    ceilings = [n for n in systems if n.startswith("stock_")]
+    if ceilings:
+        top = max(ceilings, key=lambda n: systems[n]["max_sustainable_rps"] or 0.0)
+        out["ceiling"] = {
+            "system": top,
+            "ceiling_over_stock": _ratio(systems[top]["max_sustainable_rps"], stock),
+        }
+    return out
+
+
+def report(paths: list[str], interference: str | None = None) -> dict[str, Any]:
+    runs = [read_results(path) for path in paths]
+    utils = [utilization(r) for r in runs if plugin_config(r) is not None]
+    plugin_util = max(set(utils), key=utils.count) if utils else None
+    grouped: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    commands = []
+    for path, run in zip(paths, runs, strict=True):
+        workload = str((run.get("point") or {}).get("workload", "?"))
+        system = system_of(run, plugin_util)
+        grouped.setdefault(workload, {}).setdefault(system, []).append(run)
+        commands.append(
+            {
+                "file": str(path),
+                "workload": workload,
+                "system": system,
+                "trace": (run.get("point") or {}).get("trace"),
+                "server_command": run.get("server_command"),
+            }
+        )
+    workloads: dict[str, Any] = {}
+    for workload, by_system in sorted(grouped.items()):
+        systems = {name: _system_summary(name, rs) for name, rs in sorted(by_system.items())}
+        workloads[workload] = {"systems": systems, "ratios": compare(systems)}
+    result: dict[str, Any] = {
+        "emulation": any(
+            s.get("emulation") for w in workloads.values() for s in w["systems"].values()
+        ),
+        "note": EMULATION_NOTE,
+        "gpu_memory_utilization": plugin_util,
+        "workloads": workloads,
+        "goals": goals(workloads),
+        "runs": commands,
+    }
+    if interference:
+        result["interference"] = read_results(interference)
+    return result
+
+
+def goals(workloads: dict[str, Any]) -> dict[str, Any]:
+    """The issue's goals where the runs allow them to be read (None: not run)."""
+    out: dict[str, Any] = {}
+    for workload, data in workloads.items():
+        for link, ratios in data["ratios"].items():
+            if link == "ceiling" or not ratios["emulation"]:
+                continue
+            over_stock, over_static = (
+                ratios["dynamic_over_stock"],
+                ratios["dynamic_over_best_static"],
+            )
+            out[f"{workload}@{link}"] = {
+                "over_stock_ge_1.10": None if over_stock is None else over_stock >= 1.10,
+                "over_best_static_ge_1.0": None if over_static is None else over_static >= 1.0,
+            }
+    return out
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """``fastlink_latency.png``: per workload, P99 and mean E2E against the offered rate, a
+    line per system; ``fastlink_levels.png``: the dynamic systems' level over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = " (fast link EMULATED on one H200)" if result["emulation"] else ""
+    workloads = result["workloads"]
+    width = max(7.0, 5.0 * len(workloads))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(width, 4.0), squeeze=False)
+    for ax, (workload, data) in zip(axes[0], workloads.items(), strict=True):
+        for system, summary in data["systems"].items():
+            rows = [r for r in summary["rates"] if isinstance(r["target_rate"], float | int)]
+            xs = [r["target_rate"] for r in rows]
+            (line,) = ax.plot(xs, [r["p99_e2el_ms"] / 1e3 for r in rows], marker="o", label=system)
+            ax.plot(xs, [r["mean_e2el_ms"] / 1e3 for r in rows], ls=":", color=line.get_color())
+        ax.set(xlabel="offered rate (req/s)", ylabel="E2E (s): P99 solid, mean dotted")
+        ax.set_title(workload, fontsize=10)
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.suptitle("Rate against latency under vllm serve" + tag, fontsize=10)
+    fig.tight_layout()
+    paths = [out_dir / "fastlink_latency.png"]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+
+    traces = [
+        (f"{workload} {system} @ {rate} req/s", timeline)
+        for workload, data in workloads.items()
+        for system, summary in data["systems"].items()
+        for rate, timeline in (summary.get("timelines") or {}).items()
+        if system.startswith("dynamic@") and timeline
+    ]
+    if traces:
+        fig, ax = plt.subplots(figsize=(9, 3.6))
+        for label, timeline in traces:
+            ts = [t for t, _ in timeline]
+            levels = [lv for _, lv in timeline]
+            ax.step(ts, levels, where="post", label=label)
+        ax.set(xlabel="seconds into the point", ylabel="offload level k")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title("The policy's level over time" + tag, fontsize=10)
+        ax.legend(fontsize=6, ncol=2)
+        fig.tight_layout()
+        paths.append(out_dir / "fastlink_levels.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="bench.serve_bench results (.json or .json.gz)")
+    parser.add_argument("--interference", default=None, help="bench.interference's JSON")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--plots", default=None, help="folder for the PNGs")
+    args = parser.parse_args()
+    result = report(args.runs, args.interference)
+    write_results(args.out, result)
+    if args.plots:
+        for path in plot(result, Path(args.plots)):
+            print(f"wrote {path}")
+    for workload, data in result["workloads"].items():
+        for system, summary in data["systems"].items():
+            print(
+                f"{workload} {system}: max sustainable {summary['max_sustainable_rps']} req/s "
+                f"(knee {summary['knee']}), failed {summary['failed_requests']}"
+            )
+        print(f"{workload} ratios: {data['ratios']}")
+    if result["emulation"]:
+        print(EMULATION_NOTE)
+
+
+if __name__ == "__main__":
+    main()

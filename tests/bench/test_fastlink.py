@@ -1,0 +1,138 @@
+"""The fast-link report's arithmetic on hand-made serve_bench records: systems read from the
+server's command (stock, the ceiling at 0.9, the plugin's policy and its static levels per
+link), a rate sustained only while the server's queue does not grow, the ratios per link,
+the emulation labelled, and both plots drawn."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.fastlink import plot, report
+
+SECONDS = 60
+
+
+def record(
+    config: dict[str, Any] | None,
+    util: float,
+    rate: float,
+    achieved: float,
+    grows: bool = False,
+    workload: str = "sharegpt",
+    failed: int = 0,
+) -> dict[str, Any]:
+    server = ["vllm", "serve", "m", "--gpu-memory-utilization", str(util)]
+    run: dict[str, Any] = {"system": "stock" if config is None else "plugin"}
+    if config is not None:
+        server += ["--additional-config", json.dumps({"dynamic_offload": config})]
+        calibration = {"h2d_GBps": 371.5 if config.get("home") == "device" else 53.2}
+        run["plugin"] = {
+            "levels_visited": [0, 4, 0] if "level_schedule" not in config else [0, 4],
+            "level_changes": 2,
+            "calibration": calibration,
+            "level_timeline": [[0.0, 0], [12.5, 4], [50.0, 0]],
+        }
+    # The waiting queue, sampled every second: flat, or growing by a request a second.
+    samples = [{"t": float(t), "waiting": float(t if grows else t % 2)} for t in range(SECONDS)]
+    run |= {
+        "server_command": server,
+        "point": {
+            "workload": workload,
+            "trace": f"poisson --workload {workload} --rate {rate} --seconds {SECONDS}",
+        },
+        "client": {
+            "request_throughput": achieved,
+            "failed": failed,
+            "mean_e2el_ms": 1000.0 * rate,
+            "p99_e2el_ms": 3000.0 * rate,
+            "p99_ttft_ms": 200.0,
+            "median_tpot_ms": 30.0,
+        },
+        "server_metrics": {"peak": {}, "samples": samples},
+    }
+    return run
+
+
+FAST = {"home": "device", "home_GBps": 390}
+
+
+def write(tmp_path: Path, records: list[Any]) -> list[str]:
+    paths = []
+    for i, r in enumerate(records):
+        path = tmp_path / f"{i}.json"
+        path.write_text(json.dumps(r))
+        paths.append(str(path))
+    return paths
+
+
+def test_systems_knees_and_ratios_per_link(tmp_path: Path) -> None:
+    records = [
+        record(None, 0.62, 10.0, 9.8),
+        record(None, 0.62, 12.0, 11.7),
+        record(None, 0.62, 14.0, 12.0, grows=True),  # stock's knee: its queue grows
+        record(None, 0.9, 14.0, 13.8),
+        record(None, 0.9, 16.0, 15.6),
+        record(FAST, 0.62, 12.0, 11.8),
+        record(FAST, 0.62, 14.0, 13.7),
+        record(FAST, 0.62, 16.0, 14.1, grows=True),
+        record({**FAST, "level_schedule": [[0, 4]]}, 0.62, 12.0, 11.8),
+        record({**FAST, "level_schedule": [[0, 4]]}, 0.62, 14.0, 12.9, grows=True),
+        record({**FAST, "level_schedule": [[0, 8]]}, 0.62, 12.0, 11.5, failed=1),
+        record({}, 0.62, 12.0, 11.6),  # the defaults on the real link
+        record({}, 0.62, 14.0, 12.1, grows=True),
+    ]
+    result = report(write(tmp_path, records))
+    assert result["emulation"] is True and "EMULATION" in result["note"]
+    sharegpt = result["workloads"]["sharegpt"]
+    systems = sharegpt["systems"]
+    assert set(systems) == {
+        "stock",
+        "stock_0.9",
+        "dynamic@390GBps",
+        "static_k4@390GBps",
+        "static_k8@390GBps",
+        "dynamic@host",
+    }
+    assert systems["stock"]["max_sustainable_rps"] == 11.7 and systems["stock"]["knee"] == "queue"
+    assert systems["stock_0.9"]["knee"] is None  # sustained all it was offered: a lower bound
+    fast = systems["dynamic@390GBps"]
+    assert fast["max_sustainable_rps"] == 13.7 and fast["emulation"] is True
+    assert fast["link_GBps_target"] == 390 and fast["link_GBps_achieved"] == 371.5
+    assert fast["levels_visited"] == [0, 4] and fast["timelines"]["14.0"][1] == [12.5, 4]
+    assert systems["static_k8@390GBps"]["max_sustainable_rps"] is None  # a failed request
+    assert systems["dynamic@host"]["emulation"] is False
+    ratios = sharegpt["ratios"]
+    assert ratios["390GBps"]["dynamic_over_stock"] == pytest.approx(13.7 / 11.7, abs=1e-4)
+    assert ratios["390GBps"]["best_static"] == "static_k4@390GBps"
+    assert ratios["390GBps"]["dynamic_over_best_static"] == pytest.approx(13.7 / 11.8, abs=1e-4)
+    assert ratios["host"]["best_static"] is None and ratios["host"]["emulation"] is False
+    assert ratios["ceiling"]["system"] == "stock_0.9"
+    assert ratios["ceiling"]["ceiling_over_stock"] == pytest.approx(15.6 / 11.7, abs=1e-4)
+    # Goals are read for the emulated link only; the real link is the no-harm issue's.
+    assert result["goals"] == {
+        "sharegpt@390GBps": {"over_stock_ge_1.10": True, "over_best_static_ge_1.0": True}
+    }
+    paths = plot(result, tmp_path / "plots")
+    assert [p.name for p in paths] == ["fastlink_latency.png", "fastlink_levels.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_interference_is_carried_and_workloads_are_kept_apart(tmp_path: Path) -> None:
+    interference = tmp_path / "interference.json"
+    interference.write_text(json.dumps({"decode": {"device_paced": {"slowdown": 1.04}}}))
+    records = [
+        record(None, 0.62, 1.0, 0.98, workload="longoutput"),
+        record(FAST, 0.62, 1.0, 0.99, workload="longoutput"),
+        record(None, 0.62, 12.0, 11.7),
+    ]
+    result = report(write(tmp_path, records), str(interference))
+    assert result["interference"]["decode"]["device_paced"]["slowdown"] == 1.04
+    assert set(result["workloads"]) == {"longoutput", "sharegpt"}
+    assert set(result["workloads"]["sharegpt"]["systems"]) == {"stock"}
+    assert result["workloads"]["longoutput"]["ratios"]["390GBps"]["dynamic_over_stock"] == (
+        pytest.approx(0.99 / 0.98, abs=1e-4)
+    )

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from bench.fastlink import plot, report
+from tests.bench.records import write_records
 
 SECONDS = 60
 
@@ -60,15 +61,6 @@ def record(
 FAST = {"home": "device", "home_GBps": 390}
 
 
-def write(tmp_path: Path, records: list[Any]) -> list[str]:
-    paths = []
-    for i, r in enumerate(records):
-        path = tmp_path / f"{i}.json"
-        path.write_text(json.dumps(r))
-        paths.append(str(path))
-    return paths
-
-
 def test_systems_knees_and_ratios_per_link(tmp_path: Path) -> None:
     records = [
         record(None, 0.62, 10.0, 9.8),
@@ -85,7 +77,7 @@ def test_systems_knees_and_ratios_per_link(tmp_path: Path) -> None:
         record({}, 0.62, 12.0, 11.6),  # the defaults on the real link
         record({}, 0.62, 14.0, 12.1, grows=True),
     ]
-    result = report(write(tmp_path, records))
+    result = report(write_records(tmp_path, records))
     assert result["emulation"] is True and "EMULATION" in result["note"]
     sharegpt = result["workloads"]["sharegpt"]
     systems = sharegpt["systems"]
@@ -129,7 +121,7 @@ def test_interference_is_carried_and_workloads_are_kept_apart(tmp_path: Path) ->
         record(FAST, 0.62, 1.0, 0.99, workload="longoutput"),
         record(None, 0.62, 12.0, 11.7),
     ]
-    result = report(write(tmp_path, records), str(interference))
+    result = report(write_records(tmp_path, records), str(interference))
     assert result["interference"]["decode"]["device_paced"]["slowdown"] == 1.04
     assert set(result["workloads"]) == {"longoutput", "sharegpt"}
     assert set(result["workloads"]["sharegpt"]["systems"]) == {"stock"}

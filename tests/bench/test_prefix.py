@@ -4,13 +4,13 @@ counters, and the issue's goals."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench.prefix import report
+from tests.bench.records import write_records
 
 
 def record(system: str, kvoff: bool, rate: float, seed: int, tput: float, ttft: float) -> Any:
@@ -28,15 +28,6 @@ def record(system: str, kvoff: bool, rate: float, seed: int, tput: float, ttft: 
     }
 
 
-def write(tmp_path: Path, records: list[Any]) -> list[str]:
-    paths = []
-    for i, r in enumerate(records):
-        path = tmp_path / f"{i}.json"
-        path.write_text(json.dumps(r))
-        paths.append(str(path))
-    return paths
-
-
 def test_systems_rates_repetitions_and_goals(tmp_path: Path) -> None:
     records = []
     for seed, jitter in enumerate((-0.1, 0.0, 0.1)):
@@ -49,7 +40,7 @@ def test_systems_rates_repetitions_and_goals(tmp_path: Path) -> None:
             record("plugin", True, 4.0, seed, 3.9 + jitter / 2, 700.0),
         ]
     records.append(record("plugin", True, 6.0, 0, 5.7, 900.0))
-    result = report(write(tmp_path, records))
+    result = report(write_records(tmp_path, records))
     systems = result["systems"]
     assert set(systems) == {"stock", "stock_kvoff", "plugin_kvoff"}
     assert systems["stock"]["max_sustainable_rps"] == 2.0
@@ -70,6 +61,6 @@ def test_a_repetition_that_fails_a_request_is_not_sustained(tmp_path: Path) -> N
     ok = record("plugin", True, 2.0, 0, 2.0, 100.0)
     bad = record("plugin", True, 2.0, 1, 2.0, 100.0)
     bad["client"]["failed"] = 1
-    result = report(write(tmp_path, [ok, bad]))
+    result = report(write_records(tmp_path, [ok, bad]))
     assert result["systems"]["plugin_kvoff"]["max_sustainable_rps"] is None
     assert result["goals"]["no_harm_every_rate"] is None  # stock_kvoff missing: not read

@@ -16,8 +16,12 @@ penalty while k > 0) plus the stall of a level change. Its defaults are the H200
 (Qwen3-32B, bf16): the start-up calibration's decode steps (FULL at batch 8 / 64 / 256:
 19.4 / 20.8 / 33.3 ms), the microbenchmark's prefill (1,714 ms for 16,384 tokens), a 0.81 ms
 piecewise penalty, 55.3 GB/s, and level changes of 5.1 ms up and 6.0 ms down under load.
-Not yet done (see the issue): calibration on emulated-link runs, validation on held-back
-points, TP and other models.
+With ``--kv-offloading-size GiB``, vLLM's CPU KV offloading runs as in serving: its
+``OffloadingConnector``'s scheduler half is vLLM's own, and its worker half's copies are
+simulated (:class:`KVTierLink`: stores and loads at the host link's bandwidth, loads sharing
+it with the plugin's weight copies). Prompts are built from the trace's ``hash_ids`` as
+``vllm bench serve`` builds them, so doc QA's documents are shared prefixes here too, and
+the result gives vLLM's prefix-cache hit rates, GPU and CPU tier.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from bench.traces import CHUNK
+
 GIB = 1 << 30
+MAX_IDLE_STEPS = 10_000  # steps in a row that schedule nothing: the simulation is stuck
 ROOT = Path(__file__).parents[1]
 
 
@@ -219,7 +226,13 @@ def build_scheduler(args: argparse.Namespace, model: StepModel) -> Any:
         head_size=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
         dtype=torch.bfloat16,
     )
-    cache = CacheConfig(block_size=16, enable_prefix_caching=True)
+    # vLLM's CPU KV offloading (``--kv-offloading-size``): its OffloadingConnector, whose
+    # scheduler half runs here as in serving; its copies are simulated (:class:`KVTierLink`).
+    cache = CacheConfig(
+        block_size=16,
+        enable_prefix_caching=True,
+        kv_offloading_size=getattr(args, "kv_offloading_size", None),
+    )
     sched = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -252,10 +265,36 @@ def build_scheduler(args: argparse.Namespace, model: StepModel) -> Any:
     cache.num_gpu_blocks = num_blocks
     kv = per_layer_kv_cache_config(num_blocks, spec, model.num_layers)
     cls = DynamicOffloadScheduler if args.system == "plugin" else AsyncScheduler
-    return cls(vllm_config, kv, StructuredOutputManager(vllm_config), block_size=16)
+    return cls(vllm_config, kv, StructuredOutputManager(vllm_config), block_size=16, log_stats=True)
 
 
-def make_request(index: int, prompt_len: int, output_len: int) -> Any:
+def prompt_tokens(index: int, prompt_len: int, hash_ids: list[int] | None) -> list[int]:
+    """The prompt's token ids: from the trace's ``hash_ids`` as ``vllm bench serve`` expands
+    them (each id a chunk of 16 tokens of its own, so requests that share ids share that
+    prefix: doc QA's documents), else unique to request ``index``."""
+    if not hash_ids:
+        return [(index * 7919 + j) % 30000 + 3 for j in range(prompt_len)]  # no shared prefix
+    tokens: list[int] = []
+    for chunk in hash_ids:  # 16 tokens of 16 bits from four splitmix64 draws of the id
+        for draw in range(CHUNK // 4):
+            bits = _splitmix64(chunk * (CHUNK // 4) + draw)
+            tokens += [(bits >> (16 * i)) & 0xFFFF for i in range(4)]
+        if len(tokens) >= prompt_len:
+            break
+    return [t + 3 for t in tokens[:prompt_len]]
+
+
+def _splitmix64(x: int) -> int:
+    mask = (1 << 64) - 1
+    z = (x + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def make_request(
+    index: int, prompt_len: int, output_len: int, hash_ids: list[int] | None = None
+) -> Any:
     """Request ``index`` of the trace (the block hasher's none-hash is set up by
     :func:`simulate`, once)."""
     from vllm.sampling_params import SamplingParams
@@ -263,7 +302,7 @@ def make_request(index: int, prompt_len: int, output_len: int) -> Any:
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
-    prompt = [(index * 7919 + j) % 30000 + 3 for j in range(prompt_len)]  # no shared prefix
+    prompt = prompt_tokens(index, prompt_len, hash_ids)
     return Request(
         request_id=f"r{index}",
         prompt_token_ids=prompt,
@@ -271,6 +310,68 @@ def make_request(index: int, prompt_len: int, output_len: int) -> Any:
         pooling_params=None,
         block_hasher=get_request_block_hasher(16, sha256),
     )
+
+
+class KVTierLink:
+    """The CPU KV tier's copies, simulated: what the OffloadingConnector's worker half does
+    with the jobs its scheduler half (real, in the scheduler) issues. Stores move GPU blocks
+    to the host, loads move them back, each direction a queue at the host link's bandwidth.
+    Loads share the host-to-GPU direction with the plugin's weight copies, which take
+    ``2k`` layers a step at level k (one in, one back): a load moves at the share they
+    leave. A store the scheduler asks to flush (its block handed out again) is waited for
+    before the step runs, as the worker does."""
+
+    MIN_SHARE = 0.05  # the copy engines interleave: a load never stops outright
+
+    def __init__(self, block_bytes: int, link_GBps: float) -> None:
+        self.block_bytes = block_bytes
+        self.bytes_per_s = link_GBps * 1e9
+        self.h2d_free = 0.0  # when each direction's queue drains
+        self.d2h_free = 0.0
+        self.done_at: dict[int, float] = {}  # job id -> when it completes
+        self.loads: dict[int, str] = {}  # load job id -> its request
+        self.loaded_blocks = 0
+        self.stored_blocks = 0
+
+    def submit(self, meta: Any, now: float, h2d_share: float) -> float:
+        """Queue the step's jobs; returns when the step may start (its flushes done)."""
+        for job_id, job in meta.store_jobs.items():
+            blocks = len(job.src_spec.block_ids)
+            self.d2h_free = max(self.d2h_free, now) + blocks * self.block_bytes / self.bytes_per_s
+            self.done_at[job_id] = self.d2h_free
+            self.stored_blocks += blocks
+        share = max(h2d_share, self.MIN_SHARE)
+        for job_id, job in meta.load_jobs.items():
+            blocks = len(job.dst_spec.block_ids)
+            seconds = blocks * self.block_bytes / (self.bytes_per_s * share)
+            self.h2d_free = max(self.h2d_free, now) + seconds
+            self.done_at[job_id] = self.h2d_free
+            self.loads[job_id] = job.req_id
+            self.loaded_blocks += blocks
+        flushed = [self.done_at[j] for j in meta.jobs_to_flush or () if j in self.done_at]
+        return max([now, *flushed])
+
+    def collect(self, now: float) -> Any:
+        """The connector's output for the jobs complete by ``now`` (None: none)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
+        from vllm.v1.outputs import KVConnectorOutput
+
+        done = [job for job, at in self.done_at.items() if at <= now]
+        if not done:
+            return None
+        meta = OffloadingWorkerMetadata()
+        received = set()
+        for job in done:
+            del self.done_at[job]
+            meta.mark_completed(job)
+            if job in self.loads:
+                received.add(self.loads.pop(job))
+        return KVConnectorOutput(finished_recving=received, kv_connector_worker_meta=meta)
+
+    def next_done(self) -> float | None:
+        return min(self.done_at.values(), default=None)
 
 
 def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, Any]]) -> dict:
@@ -286,6 +387,14 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
     init_none_hash(sha256)
     scheduler = build_scheduler(args, model)
     cost = model.cost_model()
+    tier = None
+    if scheduler.connector is not None:
+        kv = scheduler.kv_cache_config
+        block_bytes = sum(t.size for t in kv.kv_cache_tensors) // kv.num_blocks
+        tier = KVTierLink(block_bytes, model.link_GBps)
+    idle_steps = 0  # steps that scheduled nothing while the CPU tier's copies ran
+    stalled = 0  # consecutive steps that scheduled nothing
+    counters = PrefixCounters()
     pending = sorted(trace, key=lambda r: r["t"])
     arrival: dict[str, float] = {}
     first: dict[str, float] = {}
@@ -297,7 +406,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
     while nxt < len(pending) or scheduler.has_requests():
         while nxt < len(pending) and pending[nxt]["t"] <= now:
             r = pending[nxt]
-            request = make_request(nxt, r["prompt_len"], r["output_len"])
+            request = make_request(nxt, r["prompt_len"], r["output_len"], r.get("hash_ids"))
             made.append(request)
             arrival[request.request_id] = r["t"]
             outputs[request.request_id] = r["output_len"]
@@ -324,7 +433,25 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
         )
         forward = cost.step_ms(level, StepShape(decode, prefill)) if decode + prefill else 0.0
         forward += model.ms_per_context_token * context
+        connector_output = None
+        if tier is not None:
+            copy_ms = 2 * level * model.layer_bytes / (model.link_GBps * 1e9) * 1e3
+            share = 1.0 - min(1.0, copy_ms / forward) if forward > 0 else 1.0
+            now = tier.submit(out.kv_connector_metadata, now, share)
+            if not out.num_scheduled_tokens:  # waiting on the tier's copies: skip ahead
+                idle_steps += 1
+                ahead = [t for t in (tier.next_done(), *pending_times(pending, nxt)) if t]
+                now = max(now, min(ahead, default=now + 1e-3))
+        stalled = 0 if out.num_scheduled_tokens else stalled + 1
+        if stalled > MAX_IDLE_STEPS:
+            raise RuntimeError(
+                f"the simulation made no progress for {stalled} steps at t={now:.3f} s with "
+                f"{len(scheduler.running)} running and "
+                f"{len(scheduler.waiting) + len(scheduler.skipped_waiting)} waiting"
+            )
         now += (forward + stall) / 1e3
+        if tier is not None:
+            connector_output = tier.collect(now)
         steps += 1
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
@@ -336,6 +463,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            kv_connector_output=connector_output,
         )
         if args.system == "plugin":
             outcomes: tuple[ResizeOutcome, ...] = ()
@@ -359,6 +487,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             if tokens and rid not in first:
                 first[rid] = now
         engine_outputs = scheduler.update_from_output(out, result)
+        counters.add(engine_outputs)
         for batch in engine_outputs.values():
             for o in batch.outputs:
                 if o.finished:
@@ -368,7 +497,47 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
     summary = report(arrival, first, done, outputs, now, steps, levels)
     summary["preemptions"] = sum(r.num_preemptions for r in made)
     summary["peak_kv_usage"] = round(peak_kv, 4)
+    summary.update(counters.as_dict())
+    if tier is not None:
+        summary["cpu_tier"] = {
+            "blocks_loaded": tier.loaded_blocks,
+            "blocks_stored": tier.stored_blocks,
+            "idle_steps": idle_steps,
+        }
     return summary
+
+
+def pending_times(pending: list[dict[str, Any]], nxt: int) -> tuple[float, ...]:
+    """The next arrival's time, if any."""
+    return (pending[nxt]["t"],) if nxt < len(pending) else ()
+
+
+class PrefixCounters:
+    """vLLM's own prefix-cache counters, in tokens, summed over the steps' scheduler stats as
+    its Prometheus logger sums them: the GPU's cache (``vllm:prefix_cache_*``) and, with a
+    KV connector, the CPU tier's (``vllm:external_prefix_cache_*``)."""
+
+    def __init__(self) -> None:
+        self.counts = {"gpu": [0, 0], "cpu": [0, 0]}  # [queries, hits]
+
+    def add(self, engine_outputs: Any) -> None:
+        for outputs in engine_outputs.values():
+            stats = outputs.scheduler_stats
+            if stats is None:
+                continue
+            for tier, cache in (
+                ("gpu", stats.prefix_cache_stats),
+                ("cpu", stats.connector_prefix_cache_stats),
+            ):
+                if cache is not None:
+                    self.counts[tier][0] += cache.queries
+                    self.counts[tier][1] += cache.hits
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {
+            f"hit_rate_{tier}": round(hits / queries, 4) if queries else None
+            for tier, (queries, hits) in self.counts.items()
+        }
 
 
 def report(
@@ -412,6 +581,7 @@ def read_trace(path: str) -> list[dict[str, Any]]:
             "t": float(r.get("timestamp", r.get("t", 0.0))),
             "prompt_len": max(1, int(r.get("input_length", r.get("prompt_len", 1)))),
             "output_len": max(1, int(r.get("output_length", r.get("output_len", 1)))),
+            "hash_ids": r.get("hash_ids"),
         }
         for r in rows
     ]
@@ -576,6 +746,12 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--plugin-config", default="{}")
+    parser.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="GiB: vLLM's CPU KV offloading (its OffloadingConnector), for either system",
+    )
     args = parser.parse_args()
     from bench.common import write_results
 

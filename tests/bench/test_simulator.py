@@ -1,6 +1,8 @@
 """The simulator built on vLLM's real scheduler (fast-link issue, item 4): a short trace
 replays as committed, and the plugin's defaults hold level 0 where the link is PCIe and
-climb where an emulated fast link makes a level pay, on the same KV-bound load."""
+climb where an emulated fast link makes a level pay, on the same KV-bound load. With vLLM's
+CPU KV offloading, its connector's real scheduler half runs and its copies are simulated:
+doc QA's documents come back from the CPU tier instead of being recomputed."""
 
 from __future__ import annotations
 
@@ -24,7 +26,13 @@ def trace(tmp_path: Path, *args: str) -> list[dict]:
     return read_trace(str(out))
 
 
-def run(system: str, requests: list[dict], link: float = 55.3, kv_blocks: int = 6095) -> dict:
+def run(
+    system: str,
+    requests: list[dict],
+    link: float = 55.3,
+    kv_blocks: int = 6095,
+    kv_offloading_size: float | None = None,
+) -> dict:
     args = argparse.Namespace(
         system=system,
         model=str(ROOT / "tests/models/qwen3-32b"),
@@ -34,6 +42,7 @@ def run(system: str, requests: list[dict], link: float = 55.3, kv_blocks: int = 
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         plugin_config="{}",
+        kv_offloading_size=kv_offloading_size,
     )
     return simulate(args, StepModel(link_GBps=link), requests)
 
@@ -113,3 +122,23 @@ def test_a_mixture_of_experts_model_is_simulated_on_a_dense_stand_in_and_still_r
     config = ModelConfig(model=args.model, skip_tokenizer_init=True, dtype="bfloat16")
     with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
         refuse_unmodelled(config.hf_config)  # the product's own path
+
+
+def test_the_cpu_tier_serves_documents_the_gpu_cannot_hold(tmp_path: Path) -> None:
+    # Doc QA on 700 blocks (11,200 tokens: two of its 16 documents): without a CPU tier
+    # almost every question recomputes its document; with 32 GiB (every document), half
+    # the prompt tokens load from it, and the queue drains sooner.
+    requests = trace(tmp_path, "poisson", "--workload", "docqa", "--rate", "2", "--seconds", "20")
+    stock = run("stock", requests, kv_blocks=700)
+    tiered = run("stock", requests, kv_blocks=700, kv_offloading_size=32)
+    assert stock["completed"] == tiered["completed"] == len(requests)
+    assert stock["hit_rate_gpu"] < 0.05 and stock["hit_rate_cpu"] is None
+    assert tiered["hit_rate_cpu"] > 0.3 and tiered["cpu_tier"]["blocks_loaded"] > 1000
+    assert tiered["mean_e2el_ms"] < 0.9 * stock["mean_e2el_ms"]
+    # The plugin on a fast link with the tier: it climbs and comes back down while the
+    # tier's stores run (a drain waits for them); nothing is lost, the tier still serves.
+    plugin = run("plugin", requests, link=390.0, kv_blocks=700, kv_offloading_size=32)
+    levels = plugin["levels_visited"]
+    assert plugin["completed"] == len(requests)
+    assert max(levels) >= 2 and levels[-1] < max(levels)
+    assert plugin["hit_rate_cpu"] > 0 and plugin["mean_e2el_ms"] < tiered["mean_e2el_ms"]

@@ -17,6 +17,17 @@ from bench.tiny_checkpoint import make_checkpoint
 from dynoff.compile_pass.config import dynoff_compilation_config
 from dynoff.policy.trace import summarize_trace
 
+# The policy scaled to this tiny engine, whose bursts last a few hundred steps: decisions 4
+# steps apart, and each climb judged by the audit over 20 steps before and after it (the
+# defaults, 50 and 200, are sized for a GPU's thousands of steps a minute).
+TINY_POLICY = {
+    "cooldown_steps": 4,
+    "high_threshold": 0.8,
+    "low_threshold": 0.3,
+    "audit_window_steps": 20,
+    "audit_settle_steps": 2,
+}
+
 WORKER = "dynoff.compile_pass.cpu_worker.CPUDynamicOffloadWorker"
 REFERENCE_WORKER = "dynoff.compile_pass.cpu_worker.CPUReferenceWorker"
 SCHEDULER = "dynoff.policy.scheduler.DynamicOffloadScheduler"
@@ -70,7 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     offload = {
         "host_page_size": 64 << 10,
         "trace_path": str(trace),
-        "policy": {"cooldown_steps": 4, "high_threshold": 0.8, "low_threshold": 0.3},
+        "policy": TINY_POLICY,
     }
     start = time.time()
     llm = LLM(**engine_kwargs(model, offload, args.kv_bytes))

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.cpu_demo import engine_kwargs, generate, prompts
+from bench.cpu_demo import TINY_POLICY, engine_kwargs, generate, prompts
 from bench.weights import EXTENSION
 from dynoff.policy.trace import summarize_trace
 
@@ -43,7 +43,7 @@ def main() -> None:
         if args.mode.startswith("forced"):
             offload["level_schedule"] = FORCED_LEVELS
         else:
-            offload["policy"] = {"cooldown_steps": 4, "high_threshold": 0.8, "low_threshold": 0.3}
+            offload["policy"] = TINY_POLICY
     kwargs = engine_kwargs(args.model, offload, kv_bytes=4 << 20)
     if args.tp > 1:
         kwargs["tensor_parallel_size"] = args.tp

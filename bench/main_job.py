@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import serve_bench, traces
+from bench.cpu_demo import TINY_POLICY
 
 ROOT = Path(__file__).parents[1]
 SERVER_ARGS = ["--kv-cache-memory-bytes=4194304", "--max-model-len=2048", "--dtype=bfloat16"]
 PLUGIN = {
     "host_page_size": 64 << 10,
-    "policy": {"cooldown_steps": 4, "high_threshold": 0.8, "low_threshold": 0.3},
+    "policy": TINY_POLICY,
 }
 
 

@@ -26,8 +26,9 @@ climb must show, so that a level which does not pay is not tried (on a 55 GB/s P
 Qwen3-32B layer copies in 17.7 ms against a 25-40 ms decode step: almost never):
 
     under pressure:  if level k measured as a loss (the audit): back to where its climb began
-                     elif no audit open, for the best j in reach (k+1, k+2, k+4, ..., M) not
-                          backed off:
+                     elif no audit open and one could judge a climb now (a saturated
+                          window of steps behind), for the best j in reach
+                          (k+1, k+2, k+4, ..., M) not backed off:
                           C'_j / (L_j + (j - k) (S_up + S_down) / H) > (1 + m_j) · C_k / L_k:
                           k = j                                            ("up")
                      [elif descend_under_pressure ...: k -= 1]
@@ -75,7 +76,8 @@ class Pressure:
     kv_utilization: float
     mix: tuple[StepShape, ...] = ()  # recent steps' compositions, oldest first
     step: int = 0  # the scheduler step (back-offs count in steps)
-    auditing: bool = False  # priced: the last climb is still being measured
+    auditing: bool = False  # priced: the last climb is still being measured ...
+    auditable: bool = True  # ... and whether a climb now could be (a saturated baseline)
     # priced: the KV blocks the waiting requests need (None: not known, no bound) ...
     demand_blocks: int | None = None
     # ... and how far the batch may still grow (max_num_seqs / running; None: no bound).
@@ -247,7 +249,7 @@ class OffloadPolicy:
             else:
                 current = self.proxy(self.level, mix)
             best: tuple[float, int, float] | None = None  # (price, level, margin)
-            if current is not None and not pressure.auditing:
+            if current is not None and not pressure.auditing and pressure.auditable:
                 for level in self.reach(pressure.demand_blocks):
                     if self.backoff.blocked(level, pressure.step):
                         break  # a loss there: it and every level above are out

@@ -11,7 +11,9 @@ Verdict ``loss`` when the rate after falls below the rate before by more than tw
 standard error of the difference (batch means over sub-windows of both windows), and by at
 least ``tolerance``. The policy then leaves the level and does not climb into it again for
 a back-off that doubles with each loss there (:class:`Backoff`). While an audit is open
-the policy does not climb again: the next level's effect would mix into this one's.
+the policy does not climb again: the next level's effect would mix into this one's. Nor
+does it climb before the audit could judge the climb (:attr:`ChangeAudit.ready`): at start-up
+or after a lull, a handful of steps is no baseline, and a price read off them is no price.
 """
 
 from __future__ import annotations
@@ -105,6 +107,19 @@ class ChangeAudit:
     @property
     def open(self) -> bool:
         return self._open is not None
+
+    @property
+    def ready(self) -> bool:
+        """Whether a climb now could be judged: ``window`` steps seen, saturated. A climb
+        without that baseline would never get a verdict, and a loss would stay unseen."""
+        if len(self._recent) < self.window:
+            return False
+        before = measure(list(self._recent))
+        return (
+            before is not None
+            and before.pressured_share >= self.saturated_share
+            and before.tokens_per_s > 0
+        )
 
     def begin(self) -> None:
         """A climb starts: the window before it is the steps up to now (a climb of several

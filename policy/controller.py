@@ -307,9 +307,17 @@ class OffloadController:
         else:
             usage = self.elastic.pool.get_usage()
             auditing = self.audit is not None and self.audit.open
+            auditable = self.audit is None or self.audit.ready
             room = self.max_running / max(running, 1) if self.max_running else None
             pressure = Pressure(
-                waiting, usage, tuple(self._mix), step, auditing, demand_blocks, room
+                waiting,
+                usage,
+                tuple(self._mix),
+                step,
+                auditing,
+                auditable,
+                demand_blocks,
+                room,
             )
             decision = self.policy.decide(pressure)
             target, self._decision, self._last = decision.level, decision.reason, decision

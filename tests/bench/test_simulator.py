@@ -135,6 +135,10 @@ def test_the_cpu_tier_serves_documents_the_gpu_cannot_hold(tmp_path: Path) -> No
     assert stock["hit_rate_gpu"] < 0.05 and stock["hit_rate_cpu"] is None
     assert tiered["hit_rate_cpu"] > 0.3 and tiered["cpu_tier"]["blocks_loaded"] > 1000
     assert tiered["mean_e2el_ms"] < 0.9 * stock["mean_e2el_ms"]
+    # On PCIe the plugin holds k = 0: its first steps (cold prefills of whole documents,
+    # where the copies hide) priced a level as a gain before the audit had any baseline to
+    # judge it by, and it then served 10% fewer requests than stock, unjudged.
+    assert run("plugin", requests, kv_blocks=700, kv_offloading_size=32)["levels_visited"] == [0]
     # The plugin on a fast link with the tier: it climbs and comes back down while the
     # tier's stores run (a drain waits for them); nothing is lost, the tier still serves.
     plugin = run("plugin", requests, link=390.0, kv_blocks=700, kv_offloading_size=32)

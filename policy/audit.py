@@ -1,8 +1,10 @@
 """What a climb bought: tokens served per second after it, against the window before.
 
 The model prices a level before the climb; the audit measures the result. It keeps, per
-scheduler step, the wall time and the tokens scheduled, and whether the step was under
-pressure. When a climb completes with the ``window`` steps before it under pressure, the
+scheduler step, the wall time and the tokens served (a prompt once, when its prefill
+completes, and each token of output: :func:`dynoff.policy.scheduler.served_tokens`; not
+the tokens computed, which count a recomputed prefix again), and whether the step was
+under pressure. When a climb completes with the ``window`` steps before it under pressure, the
 audit waits ``settle`` steps (the change itself, the admissions it allows), then reads
 ``window`` steps after it. Only two saturated windows compare: when the load falls away
 after the climb, throughput measures the load, not the level, and there is no verdict.
@@ -89,7 +91,7 @@ class ChangeAudit:
         self._skip = 0
 
     def observe(self, now_s: float, tokens: int, pressured: bool) -> Verdict | None:
-        """One scheduler step: its start time, the tokens it scheduled, its pressure."""
+        """One scheduler step: its start time, the tokens it served, its pressure."""
         dt = 0.0 if self._last_time is None else now_s - self._last_time
         self._last_time = now_s
         sample = (dt, tokens, pressured)

@@ -171,7 +171,7 @@ class OffloadController:
         return command
 
     def on_schedule_end(self, step: int, tokens: int = 0) -> None:
-        """After vLLM's schedule: ``tokens`` it scheduled this step (for the audit)."""
+        """After vLLM's schedule: ``tokens`` it served this step (for the audit)."""
         if self.elastic.should_abort():
             self._abort_drain(step)
         if self.audit is not None:

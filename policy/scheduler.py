@@ -58,6 +58,27 @@ def page_size_for(
     return GRANULE
 
 
+def served_tokens(requests: dict[str, Any], num_scheduled_tokens: dict[str, int]) -> int:
+    """The tokens a step serves, for the audit: a prompt once, whole, when its prefill
+    completes (its cached part included), and a token of output for each request the step
+    advances past its prompt. Not the tokens it computes: a prefix recomputed after a cache
+    miss or a preemption is work done again, and a level that causes more of it (or saves
+    it) must not be credited (or blamed) for it. ``Request.num_computed_tokens`` already
+    counts this step's tokens (vLLM advances it in ``schedule()``)."""
+    served = 0
+    for req_id, scheduled in num_scheduled_tokens.items():
+        request = requests.get(req_id)
+        if request is None:
+            continue
+        after, prompt = request.num_computed_tokens, request.num_prompt_tokens
+        if after < prompt:
+            continue  # still prefilling: credited when it completes
+        served += 1
+        if after - scheduled < prompt and request.num_output_tokens == 0:
+            served += prompt  # the first time its prefill completes (not after a preemption)
+    return served
+
+
 class DynamicOffloadScheduler(AsyncScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -146,7 +167,9 @@ class DynamicOffloadScheduler(AsyncScheduler):
             if self._left_waiting
             else 0
         )
-        self.offload.on_schedule_end(step, output.total_num_scheduled_tokens)
+        self.offload.on_schedule_end(
+            step, served_tokens(self.requests, output.num_scheduled_tokens)
+        )
         setattr(output, SCHEDULER_OUTPUT_ATTR, command)
         self._publish()
         return output

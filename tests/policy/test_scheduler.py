@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from dynoff.policy.geometry import (
@@ -178,3 +179,40 @@ def test_a_mixture_of_experts_model_is_refused_with_the_fix() -> None:
     # A configured layer size does not make the experts modelled.
     with pytest.raises(UnsupportedModelError):
         planned_layer_bytes(vllm_config, 1 << 30)
+
+
+def test_the_audit_counts_tokens_served_not_tokens_recomputed(tmp_path: Path) -> None:
+    """A prompt counts once, whole, when its prefill completes, its cached prefix included;
+    then one token of output per step. A prefix computed again (a cache miss, a preemption)
+    is not served twice: counting computed tokens, a level that caused recomputes would
+    read as a gain, and one that saved them as a loss."""
+    from dynoff.policy.scheduler import served_tokens
+
+    scheduler = build(tmp_path, schedule=[])
+    served = scheduler.offload.audit._recent  # what the audit is given, step by step
+    prompt = list(range(40))
+    scheduler.add_request(first := make_request(prompt))
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens[first.request_id] == 40
+    assert served[-1][1] == 40 + 1  # the prompt and its first token
+    finish_step(scheduler, output, StepReport(1, 0, 5.0, 0, 40))
+    output = scheduler.schedule()
+    assert served[-1][1] == 1  # a decode step: one token
+    finish_step(scheduler, output, StepReport(2, 0, 5.0, 1, 0))
+    scheduler.finish_requests(first.request_id, RequestStatus.FINISHED_ABORTED)
+    # The same prompt again: two of its blocks hit the prefix cache, 8 tokens are computed,
+    # and the request is served its whole prompt.
+    scheduler.add_request(second := make_request(prompt))
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens[second.request_id] == 8
+    assert served[-1][1] == 40 + 1
+    # Resumed after a preemption (its prompt and first token computed again in one chunk):
+    # one token of output, not the prompt a second time.
+    second.append_output_token_ids(7)
+    second.num_computed_tokens = 41
+    assert served_tokens({second.request_id: second}, {second.request_id: 41}) == 1
+    # Mid-prefill (a chunk that does not finish the prompt): nothing served yet.
+    third = make_request(list(range(100, 200)))
+    third.num_computed_tokens = 64
+    assert served_tokens({third.request_id: third}, {third.request_id: 64}) == 0
+    scheduler.shutdown()

@@ -307,7 +307,8 @@ class OffloadController:
         else:
             usage = self.elastic.pool.get_usage()
             auditing = self.audit is not None and self.audit.open
-            auditable = self.audit is None or self.audit.ready
+            # Read only under pressure, where a climb is priced (a pass over the window).
+            auditable = self.audit is None or not self._pressured or self.audit.ready
             room = self.max_running / max(running, 1) if self.max_running else None
             pressure = Pressure(
                 waiting,

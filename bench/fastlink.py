@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import read_results, write_results
-from bench.no_harm import rate_of
+from bench.no_harm import rate_of, trace_arg
 from bench.serving import max_sustainable_rate, queue_slope, sustainable
 from bench.serving_report import knee
 
@@ -88,20 +88,13 @@ def system_of(run: dict[str, Any], plugin_util: float | None) -> str:
     return f"dynamic@{link}"
 
 
-def _seconds(point: dict[str, Any]) -> float | None:
-    """The trace's arrival window (``--seconds S``), where its arguments give one."""
-    words = str(point.get("trace", "")).split()
-    if "--seconds" in words[:-1]:
-        return float(words[words.index("--seconds") + 1])
-    return None
-
-
 def rate_row(run: dict[str, Any]) -> dict[str, Any]:
     """One rate of one system: the client's figures and whether it was sustained."""
     point, client = run.get("point") or {}, run["client"]
     rate = rate_of(point)
     samples = (run.get("server_metrics") or {}).get("samples") or []
-    window = _seconds(point) or max((s["t"] for s in samples), default=0.0)
+    seconds = trace_arg(point, "--seconds")  # the trace's arrival window, where given
+    window = float(seconds) if seconds else max((s["t"] for s in samples), default=0.0)
     slope = queue_slope([(s["t"], s.get("waiting", 0.0)) for s in samples], 0.0, window)
     failed = int(client.get("failed", 0))
     row: dict[str, Any] = {

@@ -33,19 +33,22 @@ def point_key(point: dict[str, Any]) -> str:
     return json.dumps(point, sort_keys=True)
 
 
+def trace_arg(point: dict[str, Any], flag: str) -> str | None:
+    """The value of ``flag`` in the point's trace arguments (``bench.traces``), or None."""
+    words = str(point.get("trace", "")).split()
+    return words[words.index(flag) + 1] if flag in words[:-1] else None
+
+
 def rate_of(point: dict[str, Any]) -> float | str | None:
     """The point's offered rate: given, or read from its trace arguments (``--rate R``; a
     bursty trace's ``lull/burst`` rates)."""
     if "rate" in point:
         return point["rate"]
     words = str(point.get("trace", "")).split()
-
-    def after(flag: str, default: str) -> str:
-        return words[words.index(flag) + 1] if flag in words[:-1] else default
-
     if words and words[0] == "bursty":
-        return f"{after('--lull-rate', '3.0')}/{after('--burst-rate', '18.0')}"
-    return float(after("--rate", "nan")) if "--rate" in words else None
+        lull = trace_arg(point, "--lull-rate") or "3.0"
+        return f"{lull}/{trace_arg(point, '--burst-rate') or '18.0'}"
+    return float(trace_arg(point, "--rate") or "nan") if "--rate" in words else None
 
 
 def compare(stock: dict[str, Any], plugin: dict[str, Any]) -> dict[str, Any]:

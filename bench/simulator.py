@@ -440,7 +440,8 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             now = tier.submit(out.kv_connector_metadata, now, share)
             if not out.num_scheduled_tokens:  # waiting on the tier's copies: skip ahead
                 idle_steps += 1
-                ahead = [t for t in (tier.next_done(), *pending_times(pending, nxt)) if t]
+                arrival_t = pending[nxt]["t"] if nxt < len(pending) else None
+                ahead = [t for t in (tier.next_done(), arrival_t) if t is not None]
                 now = max(now, min(ahead, default=now + 1e-3))
         stalled = 0 if out.num_scheduled_tokens else stalled + 1
         if stalled > MAX_IDLE_STEPS:
@@ -505,11 +506,6 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             "idle_steps": idle_steps,
         }
     return summary
-
-
-def pending_times(pending: list[dict[str, Any]], nxt: int) -> tuple[float, ...]:
-    """The next arrival's time, if any."""
-    return (pending[nxt]["t"],) if nxt < len(pending) else ()
 
 
 class PrefixCounters:

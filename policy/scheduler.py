@@ -167,9 +167,13 @@ class DynamicOffloadScheduler(AsyncScheduler):
             if self._left_waiting
             else 0
         )
-        self.offload.on_schedule_end(
-            step, served_tokens(self.requests, output.num_scheduled_tokens)
+        # The audit's count (a pass over the batch): only the priced rule has an audit.
+        tokens = (
+            served_tokens(self.requests, output.num_scheduled_tokens)
+            if self.offload.audit is not None
+            else 0
         )
+        self.offload.on_schedule_end(step, tokens)
         setattr(output, SCHEDULER_OUTPUT_ATTR, command)
         self._publish()
         return output

@@ -4,7 +4,9 @@
 # 0..TOP at random, one change every EVERY steps, CHANGES changes, under a steady ShareGPT
 # Poisson load; then the soak report.
 #   bash bench/gpu/soak.sh MODEL [CHANGES] [EVERY] [TOP] [RATE] [STEP_MS]
-#   e.g. bash bench/gpu/soak.sh qwen3-8b 1050 10 4 8 30
+#   e.g. bash bench/gpu/soak.sh qwen3-8b 1050 6 4 8 35
+# The defaults fit one 600 s call: ~260 s of traffic after a 120 s (H200) to 192 s (H100)
+# start-up; the H100 ran this load at ~35 ms a step.
 # Writes $OUT/soak_<model>_h200.json (serve_bench's result), the server log and
 # $OUT/soak_h200.json (level_changes, failed_requests, resize_failures, recovered, command).
 set -uo pipefail
@@ -14,7 +16,7 @@ export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
 # on one the server is closing fails before the server sees it (2026-12-05's soak lost one so).
 # The soak measures level changes, not that race: the server keeps connections 75 s.
 export VLLM_HTTP_TIMEOUT_KEEP_ALIVE=75
-model="$1"; changes="${2:-1050}"; every="${3:-10}"; top="${4:-4}"; rate="${5:-8}"; step_ms="${6:-30}"
+model="$1"; changes="${2:-1050}"; every="${3:-6}"; top="${4:-4}"; rate="${5:-8}"; step_ms="${6:-35}"
 [ -f /tmp/dynoff-env.sh ] || bash bench/gpu/build.sh > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 source /tmp/dynoff-env.sh
 schedule=$(python3 -m bench.level_change soak --start 300 --every "$every" --changes "$changes" --level "$top")

@@ -401,6 +401,8 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
     done: dict[str, float] = {}
     outputs: dict[str, int] = {}
     now, nxt, steps, levels = 0.0, 0, 0, [0]
+    if args.system == "plugin":  # the audit's rates and the trace's times: simulated time
+        scheduler.offload.use_clock(lambda: now)
     made: list[Any] = []  # every request, for its preemption count at the end
     peak_kv = 0.0
     while nxt < len(pending) or scheduler.has_requests():

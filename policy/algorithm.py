@@ -32,7 +32,9 @@ Qwen3-32B layer copies in 17.7 ms against a 25-40 ms decode step: almost never):
                           C'_j / (L_j + (j - k) (S_up + S_down) / H) > (1 + m_j) · C_k / L_k:
                           k = j                                            ("up")
                      [elif descend_under_pressure ...: k -= 1]
-    low pressure:    k = the lowest level at which the KV in use stays under τ_l ("down")
+    low pressure:    j = the lowest level at which the KV in use stays under τ_l;
+                     k = j once Σ (L_k - L_j) over the calm steps >= (k - j) (S_up + S_down)
+                     ("down"; else "hold-calm")
 
 L comes from the latency model over the recent step mix (exposed copies and the piecewise
 penalty included; L_j over the mix with C_j/C_k times the decode tokens, the requests the
@@ -42,6 +44,17 @@ unset, the measured noise of the proxy (:func:`~dynoff.policy.pricing.noise_marg
 unknown L_j holds: nothing is explored on a guess. While level j has no measurements of
 its own, m_j is at least the model's error on level 1 as the start-up calibration measured
 it (:func:`~dynoff.policy.pricing.model_error`).
+
+Why a descent waits: leaving level k at the first calm step and climbing back when the
+next burst comes costs two stalls per level, and on a fast link a level whose copies hide
+costs little per step (the piecewise penalty), so a bursty load would hop up and down on
+every lull. Staying is rent (the step time k costs over j, each calm step), descending is a
+purchase (the round trip's stalls): descend once the rent paid equals the purchase, the
+ski-rental rule, which never pays more than twice the better of the two choices in
+hindsight. On PCIe a level costs its exposed copies every step (17.7 ms a Qwen3-32B layer),
+so the rent passes the round trip within a step or two and the descent is as prompt as
+before; without an estimate for both levels it is immediate. ``max_calm_steps`` bounds the
+wait whatever the model says.
 
 Why look past k+1: the piecewise-graph penalty is paid once, at any k > 0, while each level
 adds the same KV. On a fast link a level that hides its copies can lose at k = 1 (4% more KV
@@ -87,7 +100,8 @@ class Pressure:
 @dataclasses.dataclass(frozen=True)
 class Decision:
     level: int
-    reason: str  # cooldown, up, down, down-pressure, down-loss, hold, warmup, warmup-done
+    # cooldown, up, down, down-pressure, down-loss, hold, hold-calm, warmup, warmup-done
+    reason: str
     proxy_current: float | None = None
     proxy_next: float | None = None  # priced: the best level in reach, stalls amortised
     margin: float | None = None  # priced: what the climb to it had to clear
@@ -124,6 +138,8 @@ class OffloadPolicy:
         self.unmeasured_margin = 0.0  # the model's error on a level it has not measured
         self._lost: int | None = None  # a level the audit measured as a loss ...
         self._lost_to = 0  # ... and the level its climb came from
+        self.calm_ms = 0.0  # priced: step time level k cost over the level below, calm steps
+        self.calm_steps = 0
 
     def proxy(self, level: int, mix: tuple[StepShape, ...]) -> float | None:
         """E[T_k] = C_k / L_k (blocks per ms)."""
@@ -140,6 +156,8 @@ class OffloadPolicy:
         """One decision of the configured rule; updates and returns the level."""
         high = pressure.waiting > 0 or pressure.kv_utilization > self.config.high_threshold
         self.episode = self.episode + 1 if high else 0
+        if high:
+            self.calm_ms, self.calm_steps = 0.0, 0
         if self.warming_up:
             return self._warmup_step()
         if self.cooldown > 0:
@@ -271,8 +289,23 @@ class OffloadPolicy:
                 return Decision(self.level, "hold", current, None, self.margin(len(mix)))
             return Decision(self.level, "hold", current, best[0], best[2], best[1])
         if pressure.kv_utilization < cfg.low_threshold and self.level > 0:
-            return self._move(self._low_target(pressure.kv_utilization) - self.level, "down")
+            target = self._low_target(pressure.kv_utilization)
+            if self._rent_paid(target, pressure.mix):
+                return self._move(target - self.level, "down")
+            return Decision(self.level, "hold-calm")
         return Decision(self.level, "hold")
+
+    def _rent_paid(self, target: int, mix: tuple[StepShape, ...]) -> bool:
+        """One more calm step at level k: has the step time it cost over ``target`` since
+        the pressure ended paid for the round trip (down now, back up on the next burst)?
+        True at once when either level has no estimate, and after ``max_calm_steps``."""
+        now = self.estimator.estimate(self.level, mix)
+        low = self.estimator.estimate(target, mix)
+        self.calm_steps += 1
+        if now is None or low is None or self.calm_steps >= self.config.max_calm_steps:
+            return True
+        self.calm_ms += max(now - low, 0.0)
+        return self.calm_ms >= (self.level - target) * self.switch.round_trip_ms(now)
 
     def _low_target(self, utilization: float) -> int:
         """Low pressure: the lowest level below k at which the blocks in use now still sit
@@ -335,6 +368,7 @@ class OffloadPolicy:
     ) -> Decision:
         self.level += delta
         self.cooldown = self.config.cooldown_steps
+        self.calm_ms, self.calm_steps = 0.0, 0
         return Decision(self.level, reason, current, nxt, margin, priced_level)
 
     def _warmup_step(self) -> Decision:

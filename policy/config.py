@@ -83,6 +83,11 @@ class PolicyConfig:
         audit_tolerance: the smallest relative drop in tokens per second called a loss.
         loss_backoff_steps: after a level measured as a loss, steps before it may be tried
             again; doubled with each further loss at that level.
+        max_calm_steps: ``priced``: at low pressure a level is left once the step time it
+            costs over the level below, summed over the calm steps, has paid for the round
+            trip (changing down now and back up when the pressure returns); left after this
+            many calm steps in any case (2000: about a minute at 30 ms steps), so a level the
+            model calls free is not held forever on its word.
     """
 
     high_threshold: float = 0.90
@@ -107,6 +112,7 @@ class PolicyConfig:
     audit_settle_steps: int = 10
     audit_tolerance: float = 0.02
     loss_backoff_steps: int = 1000
+    max_calm_steps: int = 2000
 
     def __post_init__(self) -> None:
         if self.rule not in RULE_DEFAULTS:
@@ -154,6 +160,8 @@ class PolicyConfig:
             raise ValueError(f"climb_margin={self.climb_margin} must be >= 0 (or unset)")
         if self.audit_settle_steps < 0 or self.loss_backoff_steps < 0:
             raise ValueError("audit_settle_steps and loss_backoff_steps must be >= 0")
+        if self.max_calm_steps < 1:
+            raise ValueError(f"max_calm_steps={self.max_calm_steps} must be >= 1, e.g. 2000")
         if self.estimator not in ("measured", "model"):
             raise ValueError(f"estimator={self.estimator!r}: use 'measured' or 'model'")
         if self.proxy not in ("decode", "model"):

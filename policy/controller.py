@@ -79,7 +79,7 @@ class OffloadController:
         self.config = config
         self.max_running = max_running  # vLLM's max_num_seqs: the batch cannot grow past it
         self.expected_plan = expected_plan  # checked against the workers' first report
-        self.clock = clock  # seconds; the audit's step times
+        self.clock = clock  # seconds: the audit's step times and the trace's
         self.plan = plan
         self.num_ranks = num_ranks
         self.elastic = ElasticBlockPool(
@@ -115,7 +115,7 @@ class OffloadController:
         self.policy = OffloadPolicy(
             config.policy, plan.max_level, plan.capacity_blocks, self.estimator
         )
-        self.trace = TraceWriter(config.trace_path)
+        self.trace = TraceWriter(config.trace_path, clock)
         self.level = 0  # the level every worker runs at
         self.inflight: OffloadCommand | None = None
         self._outcomes: dict[int, ResizeOutcome] = {}
@@ -143,6 +143,12 @@ class OffloadController:
             else None
         )
         self._pressured = False
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Seconds from ``clock`` from now on, for the audit and the trace (the simulator's
+        simulated time; the trace's times restart at 0)."""
+        self.clock = clock
+        self.trace.restart_clock(clock)
 
     # -- per step -----------------------------------------------------------------------------
     def on_schedule_start(
@@ -578,8 +584,12 @@ class OffloadController:
         )
 
     def _priced_fields(self) -> dict[str, float]:
-        """What the last priced decision weighed (trace only)."""
+        """What the last priced decision weighed (trace only); in a lull, the rent the
+        level has cost since the pressure ended (the descent waits for it to pay the
+        round trip)."""
         last = self._last
+        if self.policy.calm_steps:
+            return {"calm_ms": round(self.policy.calm_ms, 2)}
         if last is None or last.margin is None or last.proxy_current is None:
             return {}
         fields = {"proxy": round(last.proxy_current, 4), "margin": round(last.margin, 4)}

@@ -46,6 +46,7 @@ from dynoff.policy.status import board_dir, read_status
 STALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 DECISIONS = (
     "hold",
+    "hold-calm",
     "cooldown",
     "up",
     "down",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -92,12 +92,13 @@ def summarize_trace(path: str | Path) -> dict[str, Any]:
 class TraceWriter:
     """Appends records to ``path`` (line-buffered) and keeps a running summary."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, clock: Callable[[], float] = time.monotonic) -> None:
         self._file: TextIO | None = None
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as we do
-        self._t0 = time.monotonic()
+        self.clock = clock  # seconds; each record's "t" counts from the first record
+        self._t0: float | None = None
         self.running = TraceSummary()
         self.live = LiveStatus()  # what the status board publishes
 
@@ -120,8 +121,15 @@ class TraceWriter:
         self.running.add(record)
         self.live.add(record)
         if self._file is not None:
-            record = {"t": round(time.monotonic() - self._t0, 4), **record}
+            now = self.clock()
+            if self._t0 is None:
+                self._t0 = now
+            record = {"t": round(now - self._t0, 4), **record}
             self._file.write(json.dumps(record) + "\n")
+
+    def restart_clock(self, clock: Callable[[], float]) -> None:
+        """Time records by ``clock`` from now on, from 0 at the next one."""
+        self.clock, self._t0 = clock, None
 
     def summary(self) -> dict[str, Any]:
         return self.running.as_dict()

@@ -32,6 +32,7 @@ def run(
     link: float = 55.3,
     kv_blocks: int = 6095,
     kv_offloading_size: float | None = None,
+    plugin_config: str = "{}",
 ) -> dict:
     args = argparse.Namespace(
         system=system,
@@ -41,7 +42,7 @@ def run(
         link_GBps=link,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
-        plugin_config="{}",
+        plugin_config=plugin_config,
         kv_offloading_size=kv_offloading_size,
     )
     return simulate(args, StepModel(link_GBps=link), requests)
@@ -124,6 +125,16 @@ def test_a_mixture_of_experts_model_is_simulated_on_a_dense_stand_in_and_still_r
         refuse_unmodelled(config.hf_config)  # the product's own path
 
 
+def test_the_policy_runs_on_the_simulated_clock(tmp_path: Path) -> None:
+    """The audit's tokens per second and the policy trace's times are simulated seconds, not
+    the simulation's own wall time (a fraction of them): the trace ends where the run does."""
+    requests = trace(tmp_path, "poisson", "--rate", "4", "--seconds", "10")
+    config = json.dumps({"trace_path": str(tmp_path / "policy.jsonl")})
+    result = run("plugin", requests, plugin_config=config)
+    last = json.loads((tmp_path / "policy.jsonl").read_text().splitlines()[-1])
+    assert last["t"] == pytest.approx(result["duration_s"], rel=0.05)
+
+
 def test_the_cpu_tier_serves_documents_the_gpu_cannot_hold(tmp_path: Path) -> None:
     # Doc QA on 700 blocks (11,200 tokens: two of its 16 documents): without a CPU tier
     # almost every question recomputes its document; with 32 GiB (every document), half
@@ -141,7 +152,12 @@ def test_the_cpu_tier_serves_documents_the_gpu_cannot_hold(tmp_path: Path) -> No
     assert run("plugin", requests, kv_blocks=700, kv_offloading_size=32)["levels_visited"] == [0]
     # The plugin on a fast link with the tier: it climbs and comes back down while the
     # tier's stores run (a drain waits for them); nothing is lost, the tier still serves.
-    plugin = run("plugin", requests, link=390.0, kv_blocks=700, kv_offloading_size=32)
+    # (A lull leaves a level once its cost has paid for the round trip: a short one, so the
+    # 20 s trace sees the descent.)
+    calm = '{"policy": {"max_calm_steps": 100}}'
+    plugin = run(
+        "plugin", requests, link=390.0, kv_blocks=700, kv_offloading_size=32, plugin_config=calm
+    )
     levels = plugin["levels_visited"]
     assert plugin["completed"] == len(requests)
     assert max(levels) >= 2 and levels[-1] < max(levels)

@@ -18,6 +18,8 @@ import json
 from collections import deque
 from pathlib import Path
 
+import pytest
+
 from bench.common import read_results
 from bench.serving import timed_forward
 from dynoff.policy.algorithm import OffloadPolicy, Pressure
@@ -145,6 +147,36 @@ def burst_controller(
     return ctl, clock
 
 
+TRUTH = StepCost(17.0, 0.13, 0.05)  # the H200's fitted level-0 step (Qwen3-32B)
+
+
+def run_step(
+    ctl: OffloadController,
+    clock: list[float],
+    step: int,
+    waiting: int,
+    shape: StepShape,
+    demand_blocks: int | None = None,
+) -> int:
+    """One scheduler step: the decision, the step timed by the H200's fitted level-0 cost
+    (17 ms + 0.13 ms per decode token + 0.05 ms per prefill token) plus the model's price
+    of the level, every command acknowledged at once with a 100 ms stall. The level after."""
+    command = ctl.on_schedule_start(step, waiting, shape.num_decode_tokens, demand_blocks)
+    ms = TRUTH.step_ms(shape)
+    model = ctl.estimator.model
+    if model is not None and ctl.level > 0:
+        ms += model.step_ms(ctl.level, shape) - model.step_ms(0, shape)
+    clock[0] += ms / 1e3
+    ctl.on_schedule_end(step, shape.num_decode_tokens + shape.num_prefill_tokens)
+    outcomes = ()
+    if command is not None:
+        outcomes = (ResizeOutcome(command.command_id, 0, True, remap_ms=100.0),)
+    ctl.on_report(
+        StepReport(step, ctl.level, ms, shape.num_decode_tokens, shape.num_prefill_tokens, outcomes)
+    )
+    return ctl.level
+
+
 def run_burst(
     ctl: OffloadController,
     clock: list[float],
@@ -152,43 +184,31 @@ def run_burst(
     steps: int,
     demand_blocks: int | None = None,
     max_running: int | None = None,
+    first: int = 1,
 ) -> list[int]:
-    """``steps`` scheduler steps with requests waiting and the KV full: the batch ramps up to
-    ``running`` over the first 200 steps and then holds it, scaled by the capacity of the
-    level (more KV admits proportionally more requests, up to ``max_running``), with a
-    prefill chunk every 8th step of 2,048 tokens per ``running`` requests' worth of batch
-    (the admitted requests' prompts). Steps are timed by the H200's fitted level-0 cost (17
-    ms + 0.13 ms per decode token + 0.05 ms per prefill token) plus the model's price of the
-    level; every command is acknowledged at once. ``demand_blocks``: what the waiting
-    requests need, as the scheduler reports it (None: not reported)."""
-    truth = StepCost(17.0, 0.13, 0.05)
+    """``steps`` scheduler steps from step ``first`` with requests waiting and the KV full:
+    the batch ramps up to ``running`` over the first 200 steps and then holds it, scaled by
+    the capacity of the level (more KV admits proportionally more requests, up to
+    ``max_running``), with a prefill chunk every 8th step of 2,048 tokens per ``running``
+    requests' worth of batch (the admitted requests' prompts). ``demand_blocks``: what the
+    waiting requests need, as the scheduler reports it (None: not reported)."""
     base = ctl.plan.capacity_blocks(0)
     ctl.max_running = max_running
     levels = []
-    for step in range(1, steps + 1):
+    for step in range(first, first + steps):
         ramp = running * min(1.0, 0.5 + step / 400)
         batch = round(ramp * ctl.plan.capacity_blocks(ctl.level) / base)
         if max_running is not None:
             batch = min(batch, max_running)
-        command = ctl.on_schedule_start(step, 16, batch, demand_blocks)
         prefill = round(2048 * batch / ramp) if step % 8 == 0 else 0
-        shape = StepShape(batch, prefill)
-        ms = truth.step_ms(shape)
-        model = ctl.estimator.model
-        if model is not None and ctl.level > 0:
-            ms += model.step_ms(ctl.level, shape) - model.step_ms(0, shape)
-        clock[0] += ms / 1e3
-        ctl.on_schedule_end(step, shape.num_decode_tokens + shape.num_prefill_tokens)
-        outcomes = ()
-        if command is not None:
-            outcomes = (ResizeOutcome(command.command_id, 0, True, remap_ms=100.0),)
-        ctl.on_report(
-            StepReport(
-                step, ctl.level, ms, shape.num_decode_tokens, shape.num_prefill_tokens, outcomes
-            )
-        )
-        levels.append(ctl.level)
+        levels.append(run_step(ctl, clock, step, 16, StepShape(batch, prefill), demand_blocks))
     return levels
+
+
+def run_lull(ctl: OffloadController, clock: list[float], first: int, steps: int) -> list[int]:
+    """``steps`` calm scheduler steps from step ``first``: nothing waits, the KV is nearly
+    empty, eight requests decode."""
+    return [run_step(ctl, clock, step, 0, StepShape(8)) for step in range(first, first + steps)]
 
 
 def test_the_defaults_never_climb_under_a_burst_on_pcie() -> None:
@@ -255,3 +275,38 @@ def test_the_price_of_a_level_is_bounded_by_the_kv_pressure() -> None:
     # A demand the whole reach can use prices as if unbounded.
     ctl, clock = burst_controller(FAST)
     assert max(run_burst(ctl, clock, 24, 1500, demand_blocks=10_000)) == 4
+
+
+def test_a_descent_waits_until_the_level_has_cost_its_round_trip() -> None:
+    """The ski-rental descent. On the fast link level 4 costs a calm step of eight requests
+    the piecewise penalty as the model prices it on that batch (~2.2 ms), and its four
+    changes down and back up 4 x 200 ms (the stalls measured): a lull of 150 steps keeps it
+    (the burst after it finds the level in place, no change at all), a long lull leaves it
+    once the rent has paid for the round trip (~360 steps). On PCIe the same level costs
+    its exposed copies (~100 ms a step): it is left within a few steps of the cooldown."""
+    ctl, clock = burst_controller(FAST, base_blocks=1024)
+    levels = run_burst(ctl, clock, 24, 1500)
+    assert levels[-1] == 4
+    lull = run_lull(ctl, clock, 1501, 150)
+    assert set(lull) == {4}
+    assert ctl._decision == "hold-calm"
+    assert set(run_burst(ctl, clock, 24, 300, first=1651)) == {4}
+    policy, round_trip = ctl.policy, 4 * 200.0
+    lull = run_lull(ctl, clock, 1951, 1000)
+    left = lull.index(3)
+    calm = (StepShape(8),)
+    low, high = policy.estimator.estimate(0, calm), policy.estimator.estimate(4, calm)
+    assert low is not None and high is not None
+    # the rent a calm step pays; the lull's first steps still mix the burst's in
+    assert left == pytest.approx(round_trip / (high - low), rel=0.05)
+    assert 300 < left < ctl.config.policy.max_calm_steps
+    assert lull[-1] == 0
+    cooldown = ctl.config.policy.cooldown_steps
+    # PCIe: pinned at level 4 by the operator, then released into a lull.
+    ctl, clock = burst_controller(PCIE, base_blocks=1024)
+    ctl.operate(1, 4, None)
+    assert run_lull(ctl, clock, 1, 200)[-1] == 4
+    ctl.operate(2, None, None)
+    lull = run_lull(ctl, clock, 201, 200)
+    assert lull.index(3) < cooldown + 10
+    assert lull[-1] == 0

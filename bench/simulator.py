@@ -460,8 +460,11 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
         sampled = []
         for rid in req_ids:
             request = scheduler.requests[rid]
-            computed = request.num_computed_tokens  # after schedule(): includes this step
-            sampled.append([7] if computed >= request.num_prompt_tokens else [])
+            # After schedule() the count includes this step: a token is sampled once the
+            # prompt and every output token so far are computed (a resumed request after a
+            # preemption recomputes both, in chunks that sample nothing).
+            computed = request.num_computed_tokens
+            sampled.append([7] if computed >= request.num_tokens else [])
         result = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -485,6 +488,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
                 calibration=model.calibration() if steps == 1 else None,
                 last_command=command.command_id if command is not None else -1,
                 level_now=level,
+                num_context_tokens=context,
             )
         for rid, tokens in zip(req_ids, sampled, strict=True):
             if tokens and rid not in first:

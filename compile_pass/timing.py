@@ -20,6 +20,7 @@ class Timed:
     level: int
     decode_tokens: int
     prefill_tokens: int
+    context_tokens: int = 0
     forward_ms: float = 0.0
 
 

@@ -160,15 +160,29 @@ def with_report(output: Any, report: StepReport) -> Any:
     return output
 
 
-def step_shape(scheduler_output: Any) -> tuple[int, int]:
-    """(decode tokens, prefill tokens) of a step: one-token requests decode."""
+def step_shape(scheduler_output: Any) -> tuple[int, int, int]:
+    """(decode tokens, prefill tokens, context tokens) of a step: one-token requests
+    decode, and their attention reads the tokens they have computed (``SchedulerOutput``'s
+    new and cached request data carry the count before the step)."""
+    scheduled = scheduler_output.num_scheduled_tokens
     decode = prefill = 0
-    for num in scheduler_output.num_scheduled_tokens.values():
+    for num in scheduled.values():
         if num == 1:
             decode += 1
         else:
             prefill += num
-    return decode, prefill
+    context = sum(
+        new.num_computed_tokens
+        for new in scheduler_output.scheduled_new_reqs
+        if scheduled.get(new.req_id) == 1
+    )
+    cached = scheduler_output.scheduled_cached_reqs
+    context += sum(
+        computed
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+        if scheduled.get(req_id) == 1
+    )
+    return decode, prefill, context
 
 
 @dataclasses.dataclass
@@ -517,8 +531,8 @@ class DynamicOffloadMixin:
             state.outcomes += state.levels.apply_everywhere(command, self._gather)
             state.last_command = command.command_id
         state.step += 1
-        decode, prefill = step_shape(scheduler_output)
-        state.timer.start(Timed(state.step, state.placement.level, decode, prefill))
+        decode, prefill, context = step_shape(scheduler_output)
+        state.timer.start(Timed(state.step, state.placement.level, decode, prefill, context))
         output = super().execute_model(scheduler_output)  # type: ignore[misc]
         return self._attach(output)
 
@@ -547,6 +561,7 @@ class DynamicOffloadMixin:
             state.plans,
             state.last_command,
             state.placement.level,
+            timed.context_tokens,
         )
         state.calibration = None
         state.plans = ()

@@ -225,7 +225,8 @@ class OffloadPolicy:
 
         L_j is priced over the mix as level j would run it: with the KV full, the extra
         capacity admits proportionally more requests, so every step decodes C_j/C_k times
-        the tokens (prefill chunks stay within the token budget). On a batch that is
+        the tokens and its attention reads C_j/C_k times the KV (the extra capacity is
+        filled with context; prefill chunks stay within the token budget). On a batch that is
         already compute-bound the longer steps eat the extra capacity, on any link; the
         seed's C_{k+1}/L_{k+1} over the same steps counts it as pure gain. C'_j is the
         capacity that buys anything: no more than C_k plus the waiting requests' blocks,
@@ -234,7 +235,12 @@ class OffloadPolicy:
         now_blocks, blocks = self.capacity_blocks(self.level), self.capacity_blocks(level)
         grow = blocks / now_blocks
         admitted = tuple(
-            StepShape(round(s.num_decode_tokens * grow), s.num_prefill_tokens) for s in mix
+            StepShape(
+                round(s.num_decode_tokens * grow),
+                s.num_prefill_tokens,
+                round(s.num_context_tokens * grow),
+            )
+            for s in mix
         )
         nxt = self.estimator.estimate(level, admitted)
         now = self.estimator.estimate(self.level, mix) if now_ms is None else now_ms

@@ -57,6 +57,9 @@ logger = logging.getLogger("vllm.dynoff.policy")
 # Until the workers' calibration arrives (or if it failed): the H200's PCIe Gen5 figures.
 FALLBACK_H2D_GBPS = 53.0
 FALLBACK_PIECEWISE_PENALTY_MS = 0.0
+# A step's context in the policy's step shapes: to the nearest 1,000 tokens (the shapes key
+# the model's cache of predictions; a Qwen3-32B step reads 1,000 tokens of KV in ~0.05 ms).
+CONTEXT_ROUNDING = 3
 
 
 class OffloadController:
@@ -270,7 +273,11 @@ class OffloadController:
         if report.calibration is not None:
             self._use_calibration(report.calibration)
         if report.timed:
-            shape = StepShape(report.num_decode_tokens, report.num_prefill_tokens)
+            shape = StepShape(
+                report.num_decode_tokens,
+                report.num_prefill_tokens,
+                round(report.num_context_tokens, -CONTEXT_ROUNDING),
+            )
             self._mix.append(shape)
             self.estimator.observe(report.level, report.forward_ms, shape)
             self.trace.forward(
@@ -279,6 +286,7 @@ class OffloadController:
                 forward_ms=round(report.forward_ms, 4),
                 decode_tokens=report.num_decode_tokens,
                 prefill_tokens=report.num_prefill_tokens,
+                context_tokens=report.num_context_tokens,
             )
         if self.inflight is not None and report.last_command >= self.inflight.command_id:
             self._ran_at = report.level_now

@@ -42,11 +42,18 @@ from dynoff.policy.config import PolicyConfig
 
 
 class StepShape(NamedTuple):
-    """A step's composition: tokens of decode requests and of prefill chunks (a named tuple:
-    the policy hashes thousands of them per step to price every level in reach)."""
+    """A step's composition: tokens of decode requests and of prefill chunks, and the
+    context the decode requests' attention reads (their KV, in tokens). A named tuple: the
+    policy hashes thousands of them per step to price every level in reach.
+
+    The context matters when a level is priced: the requests the extra KV admits bring
+    their KV along, and on long contexts reading it is much of a decode step (a Qwen3-32B
+    token of KV is 256 KiB: 60 requests at 3,000 tokens read 47 GB, ~10 ms of HBM a step).
+    """
 
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
+    num_context_tokens: int = 0
 
     @property
     def decode_only(self) -> bool:
@@ -55,18 +62,21 @@ class StepShape(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    """A level-0 step's time as a function of its composition:
-    ``intercept_ms + ms_per_decode_token · n_decode + ms_per_prefill_token · n_prefill``."""
+    """A level-0 step's time as a function of its composition: ``intercept_ms +
+    ms_per_decode_token · n_decode + ms_per_prefill_token · n_prefill + ms_per_context_token ·
+    n_context``."""
 
     intercept_ms: float
     ms_per_decode_token: float = 0.0
     ms_per_prefill_token: float = 0.0
+    ms_per_context_token: float = 0.0
 
     def step_ms(self, shape: StepShape) -> float:
         return (
             self.intercept_ms
             + self.ms_per_decode_token * shape.num_decode_tokens
             + self.ms_per_prefill_token * shape.num_prefill_tokens
+            + self.ms_per_context_token * shape.num_context_tokens
         )
 
 
@@ -79,18 +89,20 @@ class StepTimeFit:
     is held over, 40% off (Qwen3-32B long prompts on the H200).
 
     Keeps the sums of the normal equations only, so an observation costs O(1). :meth:`solve`
-    tries the intercept with both token counts, with one, and alone, and keeps the candidate
-    with the smallest residual whose slopes are not negative and whose system is not
-    singular (steps of one shape, or ``n_decode + n_prefill`` always equal to the token
-    budget, leave a count's slope undetermined: it is dropped, not guessed).
+    tries the intercept with every subset of the three token counts (decode, prefill,
+    context), largest first, and keeps the candidate with the smallest residual whose
+    slopes are not negative and whose system is not singular (steps of one shape, ``n_decode
+    + n_prefill`` always equal to the token budget, or no context measured, leave a count's
+    slope undetermined: it is dropped, not guessed).
     """
 
-    _CANDIDATES = ((0, 1, 2), (0, 1), (0, 2), (0,))
+    _CANDIDATES = ((0, 1, 2, 3), (0, 1, 3), (0, 1, 2), (0, 2, 3), (0, 1), (0, 2), (0, 3), (0,))
+    _COLUMNS = 4
 
     def __init__(self) -> None:
         self.count = 0
-        self._xtx = [[0.0] * 3 for _ in range(3)]
-        self._xty = [0.0] * 3
+        self._xtx = [[0.0] * self._COLUMNS for _ in range(self._COLUMNS)]
+        self._xty = [0.0] * self._COLUMNS
         self._yty = 0.0
         self._rss: float | None = None  # of the last solve, in relative error squared
 
@@ -105,10 +117,15 @@ class StepTimeFit:
         if ms <= 0:
             return
         weight = 1.0 / (ms * ms)
-        x = (1.0, float(shape.num_decode_tokens), float(shape.num_prefill_tokens))
-        for i in range(3):
+        x = (
+            1.0,
+            float(shape.num_decode_tokens),
+            float(shape.num_prefill_tokens),
+            float(shape.num_context_tokens),
+        )
+        for i in range(self._COLUMNS):
             self._xty[i] += weight * x[i] * ms
-            for j in range(3):
+            for j in range(self._COLUMNS):
                 self._xtx[i][j] += weight * x[i] * x[j]
         self._yty += 1.0  # weight * ms * ms
         self.count += 1
@@ -131,15 +148,15 @@ class StepTimeFit:
             )
             rss = self._yty - 2 * fitted + quad
             if best is None or rss < best[0] - 1e-9 * abs(self._yty):
-                coef = [0.0, 0.0, 0.0]
+                coef = [0.0] * self._COLUMNS
                 for b, i in zip(beta, columns, strict=True):
                     coef[i] = b
                 best = (rss, coef)
         if best is None:
             return None
         self._rss = best[0]
-        intercept, per_decode, per_prefill = best[1]
-        return StepCost(max(intercept, 0.0), per_decode, per_prefill)
+        intercept, per_decode, per_prefill, per_context = best[1]
+        return StepCost(max(intercept, 0.0), per_decode, per_prefill, per_context)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -173,6 +190,7 @@ class OffloadCostModel:
         layer_ms_base: per-layer compute time independent of batch (weight reads), ms.
         layer_ms_per_decode_token: per-layer ms added by each decode token.
         layer_ms_per_prefill_token: per-layer ms added by each prefill token.
+        layer_ms_per_context_token: per-layer ms added by each token of KV a decode reads.
         overhead_ms: per-step time outside decoder layers, ms.
         piecewise_penalty_ms: extra per-step time of the piecewise path used while k > 0.
     """
@@ -185,6 +203,7 @@ class OffloadCostModel:
     layer_ms_per_prefill_token: float = 0.0
     overhead_ms: float = 0.0
     piecewise_penalty_ms: float = 0.0
+    layer_ms_per_context_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_layers < 2:
@@ -202,6 +221,7 @@ class OffloadCostModel:
             self.layer_ms_base
             + self.layer_ms_per_decode_token * shape.num_decode_tokens
             + self.layer_ms_per_prefill_token * shape.num_prefill_tokens
+            + self.layer_ms_per_context_token * shape.num_context_tokens
         )
 
     def step_ms(self, level: int, shape: StepShape) -> float:
@@ -262,6 +282,7 @@ class OffloadCostModel:
             layer_ms_per_prefill_token=cost.ms_per_prefill_token / num_layers,
             overhead_ms=cost.intercept_ms * overhead_fraction,
             piecewise_penalty_ms=piecewise_penalty_ms,
+            layer_ms_per_context_token=cost.ms_per_context_token / num_layers,
         )
 
     def hidden_fraction(self, level: int, shape: StepShape) -> float:

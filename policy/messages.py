@@ -141,6 +141,8 @@ class StepReport:
         restore_wait_ms: device time the compute stream waited for a lowering's
             asynchronous restore copy, over waits finished since the last report: the part
             of a change down that the change's own ``stall_ms`` does not see.
+        num_context_tokens: the KV the step's decode requests read, in tokens (their
+            computed tokens before the step).
     """
 
     step: int
@@ -154,6 +156,7 @@ class StepReport:
     plans: tuple[PlanReport, ...] = ()
     last_command: int = -1
     level_now: int = 0
+    num_context_tokens: int = 0
 
     @property
     def timed(self) -> bool:

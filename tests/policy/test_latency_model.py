@@ -117,6 +117,35 @@ def test_step_time_fit_recovers_the_cost_of_each_token() -> None:
     assert cost.ms_per_prefill_token == pytest.approx(0.1, rel=1e-6)
 
 
+def test_step_time_fit_separates_the_kv_the_decodes_read() -> None:
+    """Long outputs: the decode step's time grows with the context its attention reads (a
+    Qwen3-32B token of KV is 256 KiB: ~0.066 us a token at 4 TB/s). With the context
+    reported, the fit tells it from the per-request cost; a level that admits requests with
+    their KV is then priced with it."""
+    truth = StepCost(17.0, 0.05, 0.1, ms_per_context_token=6.5e-5)
+    steps = [(d, 0, d * c) for d in (20, 50, 80) for c in (300, 1500, 3000)]
+    steps += [(10, 2048, 10 * 800), (40, 4096, 40 * 2000)]
+    fit = StepTimeFit()
+    for decode, prefill, context in steps:
+        shape = StepShape(decode, prefill, context)
+        fit.observe(shape, truth.step_ms(shape))
+    cost = fit.solve()
+    assert cost is not None
+    assert cost.ms_per_decode_token == pytest.approx(0.05, rel=1e-6)
+    assert cost.ms_per_context_token == pytest.approx(6.5e-5, rel=1e-6)
+    # Without the context the same steps fold it into the per-request cost, and 80
+    # requests at 3,000 tokens of context each are priced 10% short.
+    blind = StepTimeFit()
+    for decode, prefill, context in steps:
+        blind.observe(
+            StepShape(decode, prefill), truth.step_ms(StepShape(decode, prefill, context))
+        )
+    folded = blind.solve()
+    assert folded is not None and folded.ms_per_context_token == 0.0
+    long_ = StepShape(80, 0, 80 * 3000)
+    assert folded.step_ms(StepShape(80)) < 0.9 * truth.step_ms(long_)
+
+
 def test_step_time_fit_drops_what_the_steps_cannot_tell_apart() -> None:
     # Decode-only steps of one size: only the mean is known, no slope is invented. (The fit
     # is in relative error, so the mean is the one that minimises it: 20.9, not 21.)

@@ -310,3 +310,29 @@ def test_a_descent_waits_until_the_level_has_cost_its_round_trip() -> None:
     lull = run_lull(ctl, clock, 201, 200)
     assert lull.index(3) < cooldown + 10
     assert lull[-1] == 0
+
+
+def test_the_price_of_a_level_counts_the_kv_its_admitted_requests_read() -> None:
+    """With the KV full, a level's extra capacity is filled with context: the requests it
+    admits decode C_j / C_k times the tokens and read C_j / C_k times the KV every step.
+    On long outputs reading the KV is much of the step, so the price carries it."""
+    config = PolicyConfig()
+    cost = StepCost(17.0, 0.05, 0.1, ms_per_context_token=6.5e-5)
+    model = OffloadCostModel.from_step_cost(
+        LAYERS, LAYER_BYTES, 392e9, cost, piecewise_penalty_ms=1.37
+    )
+    policy = OffloadPolicy(
+        config, 4, lambda k: 6000 + PER_LEVEL * k, LatencyEstimator(config, model)
+    )
+    policy.switch.observe(+1, 5.0)
+    policy.switch.observe(-1, 6.0)
+    mix = (StepShape(60, 0, 60 * 3000),) * 8
+    grow = (6000 + 4 * PER_LEVEL) / 6000
+    admitted = StepShape(round(60 * grow), 0, round(60 * 3000 * grow))
+    now = model.step_ms(0, mix[0])
+    expected = model.step_ms(4, admitted) + 4 * 11.0 / config.cooldown_steps
+    assert policy.priced(4, mix) == pytest.approx((6000 + 4 * PER_LEVEL) / expected)
+    assert (
+        model.step_ms(4, admitted) - model.step_ms(4, admitted._replace(num_context_tokens=0))
+        > 0.3 * now
+    )

@@ -14,6 +14,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from dynoff.compile_pass.worker_base import step_shape
 from dynoff.policy.geometry import (
     PlanMismatchError,
     UnsupportedModelError,
@@ -215,4 +216,24 @@ def test_the_audit_counts_tokens_served_not_tokens_recomputed(tmp_path: Path) ->
     third = make_request(list(range(100, 200)))
     third.num_computed_tokens = 64
     assert served_tokens({third.request_id: third}, {third.request_id: 64}) == 0
+    scheduler.shutdown()
+
+
+def test_a_step_reports_the_kv_its_decodes_read(tmp_path: Path) -> None:
+    """The worker reads a step's composition off vLLM's real ``SchedulerOutput``: decode
+    tokens, prefill tokens, and the context the decodes' attention reads (each decoding
+    request's computed tokens before the step; the policy prices the KV a level admits
+    by it)."""
+    scheduler = build(tmp_path, schedule=[])
+    short, long_ = make_request(list(range(20))), make_request(list(range(100, 170)))
+    scheduler.add_request(short)
+    first = scheduler.schedule()
+    assert step_shape(first) == (0, 20, 0)  # a prefill: no decode, no context read
+    finish_step(scheduler, first, StepReport(scheduler.current_step, 0, 5.0, 0, 20, ()))
+    scheduler.add_request(long_)  # a new request and a decoding one in the same step
+    second = scheduler.schedule()
+    assert step_shape(second) == (1, 70, 20)
+    finish_step(scheduler, second, StepReport(scheduler.current_step, 0, 5.0, 1, 70, ()))
+    third = scheduler.schedule()
+    assert step_shape(third) == (2, 0, 21 + 70)
     scheduler.shutdown()

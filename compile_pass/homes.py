@@ -142,16 +142,14 @@ def move_homes_to_device(
     sources: dict[int, torch.Tensor], device: Any, packs: Mapping[int, Any]
 ) -> int:
     """Replace every layer's pinned host copy by a device copy (in place in ``sources`` and
-    on the packs); the host memory is unpinned and freed. Returns the bytes moved."""
+    on the packs); the host memory is unpinned and freed with its last reference
+    (:func:`~dynoff.compile_pass.placement.pinned_empty`). Returns the bytes moved."""
     moved = 0
-    cudart = torch.cuda.cudart()
     for layer, host in list(sources.items()):
         home = torch.empty(host.numel(), dtype=torch.uint8, device=device)
         home.copy_(host)
         sources[layer] = home
         packs[layer].cpu = home
-        if host.is_pinned():
-            cudart.cudaHostUnregister(host.data_ptr())
         moved += host.numel()
     torch.cuda.synchronize(device)
     return moved

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -73,23 +75,35 @@ def _layout(layer: nn.Module) -> tuple[list[tuple[nn.Parameter, int]], int]:
     return placed, offset
 
 
-def pin(tensor: torch.Tensor) -> torch.Tensor:
-    """Page-lock ``tensor``'s exact bytes (no power-of-two rounding). CPU-only runs skip it."""
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory, page-locked with ``cudaHostRegister`` (the exact bytes: the
+    caching host allocator would round a 0.98 GB layer up to 1 GiB) and unregistered when
+    the memory is freed. The pages are faulted in by ATen's intra-op threads (``zero_``)
+    before they are locked, not by the driver on one thread. CPU-only runs skip the lock.
+
+    The registration must end before the memory does: a freed range that stays registered
+    keeps its mapping in the GPU's address space, and the next ``cudaMalloc`` the driver
+    places at that address fails with "resource already mapped". The tensor owns a NumPy
+    buffer (``torch.from_numpy``); the buffer's finalizer unregisters it as its last view
+    goes, before NumPy frees it."""
+    owner = np.empty(nbytes, dtype=np.uint8)
+    tensor = torch.from_numpy(owner)
+    tensor.zero_()
     if torch.cuda.is_available():
-        rc = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+        cudart, ptr = torch.cuda.cudart(), tensor.data_ptr()
+        rc = cudart.cudaHostRegister(ptr, nbytes, 0)
         if int(rc) != 0:
-            raise RuntimeError(f"cudaHostRegister of {tensor.numel()} bytes failed ({rc})")
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({rc})")
+        # Not at interpreter exit: the CUDA context may be gone, and so is the process.
+        weakref.finalize(owner, cudart.cudaHostUnregister, ptr).atexit = False
     return tensor
 
 
 def host_copy(flat: torch.Tensor) -> torch.Tensor:
-    """A page-locked host copy of ``flat``. The pages are faulted in by ATen's intra-op
-    threads (``zero_``) and locked before the copy, so the device-to-host copy runs as DMA
-    into pinned memory instead of through the driver's pageable staging, which faults every
-    page in on one thread (0.98 GB layers, up to 64 of them for Qwen3-32B)."""
-    cpu = torch.empty(flat.numel(), dtype=torch.uint8)
-    cpu.zero_()
-    pin(cpu)
+    """A page-locked host copy of ``flat`` (:func:`pinned_empty`): the device-to-host copy
+    runs as DMA into pinned memory instead of through the driver's pageable staging (0.98
+    GB layers, up to 64 of them for Qwen3-32B). ``flat``: a layer's packed bytes."""
+    cpu = pinned_empty(flat.numel())
     cpu.copy_(flat.detach())
     return cpu
 

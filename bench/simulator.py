@@ -292,6 +292,14 @@ def _splitmix64(x: int) -> int:
     return z ^ (z >> 31)
 
 
+def samples(request: Any) -> bool:
+    """Whether the step just scheduled for ``request`` samples a token: once its prompt and
+    every output token so far are computed (``num_computed_tokens`` already counts the step
+    after ``schedule()``). A request resumed after a preemption recomputes both, and its
+    chunks sample nothing until the last."""
+    return bool(request.num_computed_tokens >= request.num_tokens)
+
+
 def make_request(
     index: int, prompt_len: int, output_len: int, hash_ids: list[int] | None = None
 ) -> Any:
@@ -457,14 +465,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             connector_output = tier.collect(now)
         steps += 1
         req_ids = list(out.num_scheduled_tokens)
-        sampled = []
-        for rid in req_ids:
-            request = scheduler.requests[rid]
-            # After schedule() the count includes this step: a token is sampled once the
-            # prompt and every output token so far are computed (a resumed request after a
-            # preemption recomputes both, in chunks that sample nothing).
-            computed = request.num_computed_tokens
-            sampled.append([7] if computed >= request.num_tokens else [])
+        sampled = [[7] if samples(scheduler.requests[rid]) else [] for rid in req_ids]
         result = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},

@@ -162,3 +162,19 @@ def test_the_cpu_tier_serves_documents_the_gpu_cannot_hold(tmp_path: Path) -> No
     assert plugin["completed"] == len(requests)
     assert max(levels) >= 2 and levels[-1] < max(levels)
     assert plugin["hit_rate_cpu"] > 0 and plugin["mean_e2el_ms"] < tiered["mean_e2el_ms"]
+
+
+def test_a_resumed_request_samples_only_once_it_is_recomputed() -> None:
+    """A preempted request is recomputed, prompt and outputs, possibly in chunks: the
+    simulated model samples its next token only after the last of them (a chunk past the
+    prompt alone is no decode)."""
+    from bench.simulator import make_request, samples
+
+    request = make_request(0, prompt_len=10, output_len=8)
+    request.num_computed_tokens = 10  # the prefill done: the first token is sampled
+    assert samples(request)
+    request.append_output_token_ids([7, 7, 7])
+    request.num_computed_tokens = 12  # resumed: a chunk up to the second output token
+    assert not samples(request)
+    request.num_computed_tokens = 13
+    assert samples(request)

@@ -11,7 +11,13 @@ the ops inserted and split at, but no plugin, so they do nothing), ``k0`` (the p
 at k = 0, no trace), ``forced`` (the plugin under a schedule 0 -> max -> 0 while the
 requests decode) and ``forced-wrong`` (the negative control: ``forced`` with every offloaded
 layer copied in with its partner's weights, :func:`bench.weights.wrong_partner`; it must
-differ from stock, or the identity check could not see a wrong layer). Every engine sees the
+differ from stock, or the identity check could not see a wrong layer). ``stock-pw`` and
+``forced-pw`` (and ``forced-wrong-pw``) are the same with ``cudagraph_mode=PIECEWISE``: ``forced``
+runs its k > 0 steps piecewise and its k = 0 steps on FULL graphs, and FULL and piecewise
+attention need not agree to the last bit (on the H100, with distinct weights, ``forced``
+left 3 of 256 requests 30-50 steps after its last level change, at k = 0, where a wrong
+layer or a lost KV page changes every running request at once); on one graph mode the
+offloaded layers must give stock's tokens exactly. Every engine sees the
 same first batch on a cold prefix cache; KV capacity is ample at every level, so all engines
 schedule the same batches. It reports token identity between them, the k = 0 throughput
 ratio (best of ``--repeats`` batches, distinct prompts each, after a warm-up) and the decode
@@ -38,6 +44,8 @@ from bench.common import write_results
 
 CAPTURE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 WORKER = "dynoff.compile_pass.worker.DynamicOffloadWorker"
+PIECEWISE = "-pw"  # a mode's suffix: the same engine with cudagraph_mode=PIECEWISE
+PIECEWISE_MODES = ("stock-pw", "forced-pw", "forced-wrong-pw")
 SCHEDULER = "dynoff.policy.scheduler.DynamicOffloadScheduler"
 
 
@@ -74,10 +82,15 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
     )
     if args.kv_offloading_size:  # vLLM's CPU KV tier, on every engine alike
         kwargs["kv_offloading_size"] = args.kv_offloading_size
-    if args.weights == "distinct" or mode == "forced-wrong":
+    if args.weights == "distinct" or mode.startswith("forced-wrong"):
         from bench.weights import EXTENSION
 
         kwargs["worker_extension_cls"] = EXTENSION
+    graphs = {"cudagraph_capture_sizes": CAPTURE}
+    if mode.endswith(PIECEWISE):  # stock-pw, forced-pw, ...: every step piecewise
+        graphs["cudagraph_mode"] = "PIECEWISE"
+        kwargs["compilation_config"] = dict(graphs)
+        mode = mode.removesuffix(PIECEWISE)
     if mode == "stock":
         return kwargs
     from dynoff.compile_pass.config import dynoff_compilation_config
@@ -107,9 +120,7 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
     kwargs.update(
         worker_cls=WORKER,
         scheduler_cls=SCHEDULER,
-        compilation_config=dynoff_compilation_config(
-            {"cudagraph_capture_sizes": CAPTURE}, route=args.route
-        ),
+        compilation_config=dynoff_compilation_config(graphs, route=args.route),
         additional_config={"dynamic_offload": {**offload, "kv_layout": args.kv_layout}},
     )
     return kwargs
@@ -122,10 +133,11 @@ def run_engine(mode: str, model: str, out: Path, trace: Path, args: argparse.Nam
 
     start = time.time()
     llm = LLM(**engine_kwargs(mode, model, str(trace), args))
+    base = mode.removesuffix(PIECEWISE)
     result: dict[str, Any] = {"mode": mode, "startup_s": round(time.time() - start, 1)}
     if args.weights == "distinct":
         result["weights_redrawn"] = llm.collective_rpc("dynoff_distinct_weights")
-    if mode == "forced-wrong":
+    if base == "forced-wrong":
         llm.collective_rpc("dynoff_wrong_partner")
 
     def generate(batch: list[tuple[list[int], int]]) -> tuple[float, list[list[int]]]:
@@ -145,11 +157,14 @@ def run_engine(mode: str, model: str, out: Path, trace: Path, args: argparse.Nam
         elapsed, outputs = generate(burst)
         _, tail = generate([(ids[:64], 400) for ids, _ in requests[:2]])
         result.update(burst_s=elapsed, outputs=outputs + tail)
-    elif mode in ("forced", "forced-wrong"):
+    elif base in ("forced", "forced-wrong"):
         elapsed, outputs = generate(requests)  # first: the schedule counts engine steps
         result.update(seconds=[elapsed], outputs=outputs)
         # HACK guard in the real engine: no step that needed the ops went to a FULL graph.
         result["dispatches"] = llm.collective_rpc("dynoff_dispatches")
+    elif mode != base:  # stock-pw: the reference for the outputs only, not timed
+        elapsed, outputs = generate(requests)
+        result.update(seconds=[elapsed], outputs=outputs)
     else:
         _, outputs = generate(requests)  # cold prefix cache, as every engine sees it
         generate(workload(32, seed=99))  # warm-up
@@ -187,6 +202,8 @@ def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dic
     pairs = [("forced", "k0"), ("k0", "stock"), ("forced", "stock"), ("partition", "stock")]
     pairs += [("k0", "partition"), ("stock_2", "stock"), ("k0", "stock_2")]
     pairs += [("split", "stock"), ("k0", "split"), ("forced-wrong", "stock")]
+    pairs += [("forced-pw", "stock-pw"), ("stock-pw", "stock"), ("forced", "forced-pw")]
+    pairs += [("forced-wrong-pw", "stock-pw")]
     for second in [m for m in outputs if m.endswith("_2") and m != "stock_2"]:  # --combine
         pairs += [(second, second[:-2]), (second, "stock")]
     report: dict[str, Any] = {
@@ -203,6 +220,12 @@ def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dic
         report["requests"] = len(outputs["stock"])
         if "forced" in outputs:
             report["token_identical"] = outputs["forced"] == outputs["stock"]
+    if "stock-pw" in outputs:  # one graph mode throughout
+        if "forced-pw" in outputs:
+            report["token_identical_piecewise"] = outputs["forced-pw"] == outputs["stock-pw"]
+        if "forced-wrong-pw" in outputs:
+            wrong = outputs["forced-wrong-pw"]
+            report["negative_control_piecewise_detected"] = wrong != outputs["stock-pw"]
         if "forced-wrong" in outputs:  # the negative control must be seen to differ
             report["negative_control_detected"] = outputs["forced-wrong"] != outputs["stock"]
     if "stock" in engines and "k0" in engines and "seconds" in engines["k0"]:
@@ -211,7 +234,7 @@ def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dic
         report["stock_decode_ms"] = engines["stock"]["decode_ms"]
         report["k0_decode_ms"] = engines["k0"]["decode_ms"]
         report["k0_ratio"] = round(engines["stock"]["decode_ms"] / engines["k0"]["decode_ms"], 4)
-    for mode in ("forced", "live"):
+    for mode in ("forced-pw", "forced", "live"):  # the last one found is reported
         if "trace" in engines.get(mode, {}):
             trace = engines[mode]["trace"]
             report["level_changes"] = trace["level_changes"]
@@ -219,6 +242,15 @@ def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dic
             report["levels_visited"] = trace["levels_visited"]
             report["resize_failures"] = trace["resize_failures"]
     return report
+
+
+def read_text(path: Path) -> str:
+    """``path``, or its gzip-compressed ``path.gz`` as committed under bench/results/."""
+    if path.exists():
+        return path.read_text()
+    import gzip
+
+    return gzip.decompress(path.with_name(path.name + ".gz").read_bytes()).decode()
 
 
 def combine(paths: list[str]) -> dict[str, Any]:
@@ -230,7 +262,7 @@ def combine(paths: list[str]) -> dict[str, Any]:
     calls = []
     for path in paths:
         result = json.loads(Path(path).read_text())
-        found = json.loads(Path(path).with_suffix(".outputs.json").read_text())
+        found = json.loads(read_text(Path(path).with_suffix(".outputs.json")))
         calls.append({"command": result["command"], "machine": result["machine"]})
         for mode, engine in result["engines"].items():
             name = mode if mode not in engines else f"{mode}_2"
@@ -328,7 +360,7 @@ def main() -> None:
         out.write_text(json.dumps(result))
         print(f"[e2e] {mode}: " + json.dumps({k: v for k, v in result.items() if k != "outputs"}))
 
-    for mode in modes:  # engines of earlier calls on this machine
+    for mode in [*modes, "forced-wrong", *PIECEWISE_MODES]:  # earlier calls' engines
         if mode not in results["engines"] and (work / f"{mode}.json").exists():
             results["engines"][mode] = json.loads((work / f"{mode}.json").read_text())
     outputs = {m: e.pop("outputs") for m, e in results["engines"].items() if "outputs" in e}

@@ -7,8 +7,9 @@
 #   e.g. bash bench/gpu/soak.sh qwen3-8b 1050 6 4 8 35
 # The defaults fit one 600 s call: ~260 s of traffic after a 120 s (H200) to 192 s (H100)
 # start-up; the H100 ran this load at ~35 ms a step.
-# Writes $OUT/soak_<model>_h200.json (serve_bench's result), the server log and
-# $OUT/soak_h200.json (level_changes, failed_requests, resize_failures, recovered, command).
+# Writes $OUT/soak_<model>_<card>.json (serve_bench's result), the server log and
+# $OUT/soak_<card>.json (level_changes, failed_requests, resize_failures, recovered, command),
+# <card> the GPU's (h200, h100): the same run on an H100 is not the H200's.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
@@ -16,6 +17,8 @@ export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
 # on one the server is closing fails before the server sees it (2026-12-05's soak lost one so).
 # The soak measures level changes, not that race: the server keeps connections 75 s.
 export VLLM_HTTP_TIMEOUT_KEEP_ALIVE=75
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h[0-9]{3}' | tr 'H' 'h')
+card="${card:-gpu}"
 model="$1"; changes="${2:-1050}"; every="${3:-6}"; top="${4:-4}"; rate="${5:-8}"; step_ms="${6:-35}"
 [ -f /tmp/dynoff-env.sh ] || bash bench/gpu/build.sh > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 source /tmp/dynoff-env.sh
@@ -27,8 +30,8 @@ python3 -m bench.serve_bench --system plugin --model "/tmp/site/models/$model" \
   --gpu-memory-utilization 0.62 \
   --plugin-config "{\"level_schedule\": $schedule, \"policy\": {\"max_level\": $top}}" \
   --trace "$trace" --point "{\"workload\": \"soak\", \"rate\": $rate, \"changes\": $changes}" \
-  --out "$OUT/soak_${model}_h200.json" --log "$OUT/soak_${model}_server.log"
+  --out "$OUT/soak_${model}_${card}.json" --log "$OUT/soak_${model}_server.log"
 rc=$?
 grep -h "dynamic offload" "$OUT/soak_${model}_server.log" | grep -v "level .* -> " | cut -c1-300 | tail -8
-python3 -m bench.level_change --soak-report "$OUT/soak_${model}_h200.json" --out "$OUT/soak_h200.json"
+python3 -m bench.level_change --soak-report "$OUT/soak_${model}_${card}.json" --out "$OUT/soak_${card}.json"
 exit $rc

@@ -49,3 +49,28 @@ def test_combine_names_repeats_and_compares_them(tmp_path: Path) -> None:
     assert report["token_identical"] is False and report["requests"] == 2
     assert report["k0_throughput_ratio"] == round(4.0 / 4.1, 4)
     assert report["max_level_reached"] == 2 and report["level_changes"] == 4
+
+
+def test_one_graph_mode_pairs_and_committed_gzip_outputs(tmp_path: Path) -> None:
+    """A report committed with its outputs gzip-compressed combines with a later call's;
+    the piecewise pair (forced-pw against stock-pw) and its negative control are reported
+    apart from the default graph mode's pair."""
+    import gzip
+
+    same, other = [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]
+    first = call(tmp_path, "a", {"stock": {}, "forced": {}}, {"stock": same, "forced": other})
+    outputs = Path(first).with_suffix(".outputs.json")
+    outputs.with_name(outputs.name + ".gz").write_bytes(gzip.compress(outputs.read_bytes()))
+    outputs.unlink()
+    second = call(
+        tmp_path,
+        "b",
+        {"stock-pw": {}, "forced-pw": {}, "forced-wrong-pw": {}},
+        {"stock-pw": other, "forced-pw": other, "forced-wrong-pw": same},
+    )
+    report = combine([first, second])
+    assert report["token_identical"] is False
+    assert report["token_identical_piecewise"] is True
+    assert report["negative_control_piecewise_detected"] is True
+    assert report["identity"]["forced-pw_vs_stock-pw"]["identical"] is True
+    assert report["identity"]["stock-pw_vs_stock"]["requests_differing"] == 1

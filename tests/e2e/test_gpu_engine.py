@@ -3,25 +3,33 @@ machine after the staging calls (``../shared/gpu/README.md``):
 
     source /tmp/site/env.sh && python3 -m pytest -m gpu tests/e2e/test_gpu_engine.py
 
-Four engines over the same 256 requests (``bench.gpu.e2e_correctness``, one process each,
-every decoder layer's weights redrawn distinct by ``bench.weights.distinct_weights``):
-stock vLLM with its default graph mode, the plugin held at k = 0, the plugin forced
-0 -> 18 -> 0 while the requests decode (the steps at k > 0 steered to the piecewise
-graphs), and the same with each offloaded layer copied in with its partner's weights (the
-negative control). Asserts token identity with stock, that the control differs, and the
-level round trip. The k = 0 throughput
-ratio is a benchmark figure (``bash bench/gpu/e2e_correctness.sh identity``), not asserted
-here.
+Six engines over the same 256 requests (``bench.gpu.e2e_correctness``, one process each, every
+decoder layer's weights redrawn distinct by ``bench.weights.distinct_weights``): stock vLLM
+with its default graph mode and the plugin held at k = 0 (FULL graphs at k = 0: they must
+agree exactly); stock and the plugin forced 0 -> 18 -> 0 while the requests decode, both
+with ``cudagraph_mode=PIECEWISE`` (one graph mode throughout: they must agree exactly); the
+forced plugin on the default graph mode (its dispatch: no step at k > 0 on a FULL graph); and
+that forced schedule with each offloaded layer copied in with its partner's weights (the
+negative control: it must differ). With the default graph mode the forced engine runs k = 0
+on FULL graphs and k > 0 piecewise, and FULL and piecewise attention need not agree to the
+last bit: on the H100 (2026-12-05) it left 3 of 256 requests, 30-50 steps after its last
+level change, at k = 0 (where a wrong layer or a lost KV page would change every running
+request at once). That pair is reported, not asserted. The k = 0 throughput ratio is a
+benchmark figure (``bash bench/gpu/e2e_correctness.sh identity``), not asserted here.
 
-The four engines take longer than one 600 s device call on a cold machine (two Qwen3-8B
-start-ups each way). Run them over two calls on one warm machine, then point the test at
-the report the second call wrote (it covers every engine found in the shared workdir)::
+The engines take longer than one 600 s device call (two Qwen3-8B start-ups per ~400 s).
+Run them over calls on one warm machine, then point the test at the report the last call
+wrote (it covers every engine found in the shared workdir)::
 
-    python3 -m bench.gpu.e2e_correctness --model M --engines stock k0 --repeats 1 \
-        --max-level 18 --workdir /tmp/e2e --out $OUT/e2e_a.json
-    python3 -m bench.gpu.e2e_correctness --model M --engines forced forced-wrong \
-        --repeats 1 --max-level 18 --workdir /tmp/e2e --out $OUT/e2e.json
+    E="python3 -m bench.gpu.e2e_correctness --model M --repeats 1 --max-level 18 --workdir /tmp/e2e"
+    $E --engines stock k0 --out $OUT/e2e_a.json
+    $E --engines forced stock-pw --out $OUT/e2e_b.json
+    $E --engines forced-pw forced-wrong-pw --out $OUT/e2e.json
     DYNOFF_E2E_REPORT=$OUT/e2e.json python3 -m pytest -m gpu tests/e2e/test_gpu_engine.py
+
+``DYNOFF_E2E_REPORT`` may name several reports (``:``-separated), from calls on different
+machines (``e2e_correctness.combine``); each pair asserted below is then still one
+machine's, as long as each report holds both of its engines.
 """
 
 from __future__ import annotations
@@ -38,26 +46,29 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).parents[2]
 MODEL = Path(os.environ.get("DYNOFF_GPU_MODEL", "/tmp/site/models/qwen3-8b"))
 MAX_LEVEL = 18
+ENGINES = ("stock", "k0", "forced", "stock-pw", "forced-pw", "forced-wrong-pw")
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     made = os.environ.get("DYNOFF_E2E_REPORT")
-    if made:  # the engines ran in earlier calls (above): the same asserts on their report
-        out = Path(made)
+    if made:  # the engines ran in earlier calls (above): the same asserts on their reports
+        from bench.gpu.e2e_correctness import combine
+
+        paths = made.split(os.pathsep)
+        result = json.loads(Path(paths[0]).read_text()) if len(paths) == 1 else combine(paths)
     else:
         if not MODEL.exists():
             pytest.skip(f"{MODEL} not staged (../shared/gpu/README.md)")
         tmp = tmp_path_factory.mktemp("e2e")
         out = tmp / "e2e.json"
         cmd = [sys.executable, "-m", "bench.gpu.e2e_correctness", "--model", str(MODEL)]
-        cmd += ["--out", str(out), "--engines", "stock", "k0", "forced", "forced-wrong"]
-        cmd += ["--repeats", "1"]
+        cmd += ["--out", str(out), "--engines", *ENGINES, "--repeats", "1"]
         cmd += ["--max-level", str(MAX_LEVEL), "--workdir", str(tmp / "work")]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=2400)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert set(result["engines"]) >= {"stock", "k0", "forced", "forced-wrong"}, result["engines"]
+        result = json.loads(out.read_text())
+    assert set(result["engines"]) >= set(ENGINES), sorted(result["engines"])
     failed = {m: e["error"][-500:] for m, e in result["engines"].items() if "error" in e}
     assert not failed, failed
     return result
@@ -66,17 +77,19 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_tokens_identical_to_stock(report: dict) -> None:
     assert report["requests"] >= 200
     identity = report["identity"]
-    for pair in ("k0_vs_stock", "forced_vs_stock", "forced_vs_k0"):
+    for pair in ("k0_vs_stock", "forced-pw_vs_stock-pw"):
         assert identity[pair]["identical"], (pair, identity[pair])
-    assert report["token_identical"]
+    assert report["token_identical_piecewise"]
 
 
 def test_the_identity_check_sees_a_layer_on_its_partners_weights(report: dict) -> None:
     """The negative control: with weights distinct per layer (``bench.weights``; vLLM's
     dummy weights are the same in every layer), the forced schedule with each offloaded
-    layer copied in with its partner's weights must differ from stock."""
+    layer copied in with its partner's weights must differ from stock on the same graphs."""
     assert report["weights"] == "distinct"
-    assert report["negative_control_detected"], report["identity"]["forced-wrong_vs_stock"]
+    pair = report["identity"]["forced-wrong-pw_vs_stock-pw"]
+    assert report["negative_control_piecewise_detected"], pair
+    assert pair["requests_differing"] >= report["requests"] // 2, pair
 
 
 def test_no_step_at_k_above_0_was_dispatched_to_a_full_graph(report: dict) -> None:

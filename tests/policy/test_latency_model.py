@@ -247,3 +247,28 @@ def test_fit_of_the_h200_k0_steps_predicts_the_static_k1_steps() -> None:
         N, 975_196_672, 55.2e9, StepCost(cost.step_ms(StepShape(100)))
     )
     assert flat.step_ms(1, StepShape(250)) / k1[-1]["step_ms"] < 0.75
+
+
+def test_an_unmeasured_level_borrows_the_error_of_the_level_below_it() -> None:
+    """The simulator's bursty long outputs on 392 GB/s: level 4 held for 335 steps with
+    the model right, level 5 for 211 steps measured 10% slower than the model, level 6
+    unmeasured. A pool of every offloading level's ratio, weighted by steps, priced level 6
+    at level 4's error, and so *faster* than the measured level 5 beneath it on the same
+    steps, and the policy climbed into a loss. Borrowed from the level below, the error
+    keeps the levels in order."""
+    model = qwen32b(392e9)
+    estimator = LatencyEstimator(
+        PolicyConfig(estimator="model", proxy="model", min_samples=3), model=model
+    )
+    big = StepShape(num_decode_tokens=64, num_context_tokens=120_000)
+    for _ in range(335):
+        estimator.observe(4, model.step_ms(4, big), big)
+    for _ in range(211):
+        estimator.observe(5, 1.10 * model.step_ms(5, big), big)
+    assert model.step_ms(6, big) >= model.step_ms(5, big)
+    five, six = estimator.estimate(5, (big,)), estimator.estimate(6, (big,))
+    assert five is not None and six is not None
+    assert six >= five
+    assert estimator.ratio(6) == pytest.approx(1.10)
+    # A level below every measured one still borrows the pool (level 0's here: none).
+    assert estimator.ratio(2) == pytest.approx((335 + 211 * 1.10) / (335 + 211))

@@ -87,7 +87,12 @@ class StepModel:
     def cost_model(self) -> Any:
         from dynoff.policy.latency import OffloadCostModel, StepCost
 
-        cost = StepCost(self.intercept_ms, self.ms_per_decode_token, self.ms_per_prefill_token)
+        cost = StepCost(
+            self.intercept_ms,
+            self.ms_per_decode_token,
+            self.ms_per_prefill_token,
+            self.ms_per_context_token,
+        )
         return OffloadCostModel.from_step_cost(
             self.num_layers,
             self.layer_bytes,
@@ -441,8 +446,10 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             for rid, n in out.num_scheduled_tokens.items()
             if n == 1
         )
-        forward = cost.step_ms(level, StepShape(decode, prefill)) if decode + prefill else 0.0
-        forward += model.ms_per_context_token * context
+        # Attention reads the context inside every layer, so it lengthens the compute that
+        # hides the copies (on the emulated link its HBM reads share the copy kernel's).
+        shape = StepShape(decode, prefill, context)
+        forward = cost.step_ms(level, shape) if decode + prefill else 0.0
         connector_output = None
         if tier is not None:
             copy_ms = 2 * level * model.layer_bytes / (model.link_GBps * 1e9) * 1e3

@@ -29,7 +29,8 @@ Qwen3-32B layer copies in 17.7 ms against a 25-40 ms decode step: almost never):
                      elif no audit open and one could judge a climb now (a saturated
                           window of steps behind), for the best j in reach
                           (k+1, k+2, k+4, ..., M) not backed off:
-                          C'_j / (L_j + (j - k) (S_up + S_down) / H) > (1 + m_j) · C_k / L_k:
+                          C'_j / (L_j + ((j - k) (S_up + S_down) + X ΔL'_j) / H)
+                              > (1 + m_j) · C_k / L_k:
                           k = j                                            ("up")
                      [elif descend_under_pressure ...: k -= 1]
     low pressure:    j = the lowest level at which the KV in use stays under τ_l;
@@ -38,7 +39,9 @@ Qwen3-32B layer copies in 17.7 ms against a 25-40 ms decode step: almost never):
 
 L comes from the latency model over the recent step mix (exposed copies and the piecewise
 penalty included; L_j over the mix with C_j/C_k times the decode tokens, the requests the
-extra KV admits), S from :class:`~dynoff.policy.pricing.SwitchCost`, H is the cooldown or
+extra KV admits), S from :class:`~dynoff.policy.pricing.SwitchCost`, X ΔL'_j the climb's
+exit (about a request's lifetime at L_j - L_k over the last calm steps: the level is held
+until its blocks free, :class:`~dynoff.policy.pricing.RequestLifetimes`), H is the cooldown or
 the pressure episode's length so far, whichever is longer, and m_j is ``climb_margin`` or,
 unset, the measured noise of the proxy (:func:`~dynoff.policy.pricing.noise_margin`). An
 unknown L_j holds: nothing is explored on a guess. While level j has no measurements of
@@ -95,6 +98,10 @@ class Pressure:
     demand_blocks: int | None = None
     # ... and how far the batch may still grow (max_num_seqs / running; None: no bound).
     batch_room: float | None = None
+    # priced: a climb's exit, the steps a level is held past the pressure (None: not
+    # known yet) and the step mix of the last calm period it is held over
+    exit_steps: int | None = None
+    calm_mix: tuple[StepShape, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,9 +226,11 @@ class OffloadPolicy:
         demand_blocks: int | None = None,
         batch_room: float | None = None,
         now_ms: float | None = None,
+        exit_steps: int | None = None,
+        calm_mix: tuple[StepShape, ...] = (),
     ) -> float | None:
-        """C'_j / (L_j + (j - k) (S_up + S_down) / H) for a level j above k, or None while
-        L is unknown.
+        """C'_j / (L_j + ((j - k) (S_up + S_down) + X (L'_j - L'_k)) / H) for a level j
+        above k, or None while L is unknown (X, L': the exit, :meth:`exit_ms`).
 
         L_j is priced over the mix as level j would run it: with the KV full, the extra
         capacity admits proportionally more requests, so every step decodes C_j/C_k times
@@ -247,13 +256,26 @@ class OffloadPolicy:
         if nxt is None or now is None or nxt <= 0:
             return None
         horizon = max(self.config.cooldown_steps, self.episode, 1)
-        nxt += (level - self.level) * self.switch.round_trip_ms(now) / horizon
+        stalls = (level - self.level) * self.switch.round_trip_ms(now)
+        nxt += (stalls + self.exit_ms(level, exit_steps, calm_mix)) / horizon
         useful = float(blocks)
         if demand_blocks is not None:
             useful = min(useful, now_blocks + demand_blocks)
         if batch_room is not None:
             useful = min(useful, now_blocks * max(batch_room, 1.0))
         return useful / nxt
+
+    def exit_ms(self, level: int, exit_steps: int | None, calm_mix: tuple[StepShape, ...]) -> float:
+        """What holding ``level`` instead of k costs after the pressure ends, until its
+        blocks free: ``exit_steps`` steps at L_j - L_k over the calm steps' mix (0 while
+        either is unknown; :mod:`~dynoff.policy.pricing`)."""
+        if not exit_steps or not calm_mix or level <= self.level:
+            return 0.0
+        high = self.estimator.estimate(level, calm_mix)
+        low = self.estimator.estimate(self.level, calm_mix)
+        if high is None or low is None:
+            return 0.0
+        return max(high - low, 0.0) * exit_steps
 
     def priced_next(self, mix: tuple[StepShape, ...]) -> float | None:
         """The price of level k+1 (:meth:`priced`, no demand bound)."""
@@ -278,7 +300,13 @@ class OffloadPolicy:
                     if self.backoff.blocked(level, pressure.step):
                         break  # a loss there: it and every level above are out
                     price = self.priced(
-                        level, mix, pressure.demand_blocks, pressure.batch_room, now_ms
+                        level,
+                        mix,
+                        pressure.demand_blocks,
+                        pressure.batch_room,
+                        now_ms,
+                        pressure.exit_steps,
+                        pressure.calm_mix,
                     )
                     margin = self.margin(len(mix), level)
                     if price is None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
@@ -48,7 +48,7 @@ from dynoff.policy.messages import (
     ResizeOutcome,
     StepReport,
 )
-from dynoff.policy.pricing import model_error
+from dynoff.policy.pricing import RequestLifetimes, model_error
 from dynoff.policy.status import control_error
 from dynoff.policy.trace import TraceWriter, trace_range
 
@@ -126,6 +126,8 @@ class OffloadController:
         self._ran_at: int | None = None  # rank 0's level once it processed the inflight command
         self._next_id = 0
         self._mix: deque[StepShape] = deque(maxlen=config.policy.mix_steps)
+        self._calm_mix: deque[StepShape] = deque(maxlen=config.policy.mix_steps)
+        self.lifetimes = RequestLifetimes()  # how long a level's blocks stay held
         self._decision = "hold"
         self._last: Decision | None = None
         self._climb_from: int | None = None  # where a climb of several levels began
@@ -178,6 +180,14 @@ class OffloadController:
                     command = self._maybe_move(step, waiting, running, demand_blocks)
         self._record(step, waiting, running)
         return command
+
+    def on_requests(self, step: int, started: Iterable[str], finished: Iterable[str]) -> None:
+        """The requests a schedule started and those it reports finished since the last
+        (vLLM's ``SchedulerOutput``): their lifetimes price a climb's exit."""
+        for request_id in started:
+            self.lifetimes.started(request_id, step)
+        for request_id in finished:
+            self.lifetimes.finished(request_id, step)
 
     def on_schedule_end(self, step: int, tokens: int = 0) -> None:
         """After vLLM's schedule: ``tokens`` it served this step (for the audit)."""
@@ -279,6 +289,8 @@ class OffloadController:
                 round(report.num_context_tokens, -CONTEXT_ROUNDING),
             )
             self._mix.append(shape)
+            if not self._pressured:  # what a level is held over once a burst has passed
+                self._calm_mix.append(shape)
             self.estimator.observe(report.level, report.forward_ms, shape)
             self.trace.forward(
                 step=report.step,
@@ -333,6 +345,8 @@ class OffloadController:
                 auditable,
                 demand_blocks,
                 room,
+                self.lifetimes.exit_steps(),
+                tuple(self._calm_mix),
             )
             decision = self.policy.decide(pressure)
             target, self._decision, self._last = decision.level, decision.reason, decision
@@ -601,6 +615,9 @@ class OffloadController:
         if last is None or last.margin is None or last.proxy_current is None:
             return {}
         fields = {"proxy": round(last.proxy_current, 4), "margin": round(last.margin, 4)}
+        exit_steps = self.lifetimes.exit_steps()
+        if exit_steps is not None:  # what a climb's exit was priced with
+            fields["exit_steps"] = exit_steps
         if last.proxy_next is not None:
             fields["proxy_next"] = round(last.proxy_next, 4)
         if last.priced_level is not None:

@@ -3,7 +3,7 @@
 A climb k -> k+1 is priced (:class:`~dynoff.policy.algorithm.OffloadPolicy`, rule
 ``priced``) as
 
-    E[T_{k+1}] = C_{k+1} / (L_{k+1} + (S_up + S_down) / H)
+    E[T_{k+1}] = C_{k+1} / (L_{k+1} + ((S_up + S_down) + X (L'_{k+1} - L'_k)) / H)
 
 against E[T_k] = C_k / L_k, and taken only when it wins by the margin. L_{k+1} (the
 latency model over the recent step mix) carries the copy time left exposed and the
@@ -11,11 +11,21 @@ piecewise-graph penalty; S_up and S_down are the engine stalls of changing in an
 (:class:`SwitchCost`); H is the hold horizon: the cooldown, or, deep in a pressure episode,
 as many steps as the episode has lasted so far (an episode that has lasted T steps is
 expected to last about as long again).
+
+X (L'_{k+1} - L'_k) is the climb's exit: once the pressure ends the level is left only as
+fast as its blocks free, and blocks are handed out across the whole pool, so about as long
+as a request holds its blocks, X steps (:class:`RequestLifetimes`); all that while each
+step pays what level k+1 costs over level k on the steps of a calm period (L', the mix of
+the last steps without pressure), where a small batch hides fewer copies. On a fast link
+with long outputs (1-4k tokens) a level whose copies hide only behind a burst's batch is
+held for minutes after it: a loss the climb must price (the simulator, bursty long outputs
+at 392 GB/s: level 6 held 120 s past the burst at 30 ms steps where level 0 ran 22 ms).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 
 from dynoff.policy.latency import OffloadCostModel, StepCost, StepShape, StepTimeFit
@@ -53,6 +63,44 @@ class SwitchCost:
     def round_trip_ms(self, step_ms: float) -> float:
         """Changing in and back out."""
         return self.stall_ms(+1, step_ms) + self.stall_ms(-1, step_ms)
+
+
+class RequestLifetimes:
+    """How long a request holds KV blocks, in scheduler steps: from the step that first
+    schedules it to the step that reports it finished, over the last ``WINDOW`` finished
+    requests. A level's tier is freed only when every request holding a block of it has
+    finished, so its exit takes about the lifetime of the longer-lived requests: the
+    ``QUANTILE`` of those seen (None before ``MIN_SEEN``)."""
+
+    WINDOW = 256
+    QUANTILE = 0.9
+    MIN_SEEN = 8
+
+    def __init__(self) -> None:
+        self._started: dict[str, int] = {}
+        self._lifetimes: deque[int] = deque(maxlen=self.WINDOW)
+        self._exit: int | None = None  # the quantile, until the next request finishes
+
+    def started(self, request_id: str, step: int) -> None:
+        self._started.setdefault(request_id, step)  # a resumed request keeps its start
+
+    def finished(self, request_id: str, step: int) -> None:
+        start = self._started.pop(request_id, None)
+        if start is not None:
+            self._lifetimes.append(step - start)
+            self._exit = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._started)
+
+    def exit_steps(self) -> int | None:
+        if len(self._lifetimes) < self.MIN_SEEN:
+            return None
+        if self._exit is None:
+            ordered = sorted(self._lifetimes)
+            self._exit = ordered[min(len(ordered) - 1, int(self.QUANTILE * len(ordered)))]
+        return self._exit
 
 
 def noise_margin(relative_rms: float | None, mix_size: int, floor: float) -> float:

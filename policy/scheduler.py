@@ -160,6 +160,9 @@ class DynamicOffloadScheduler(AsyncScheduler):
             step, self._left_waiting, len(self.running), self._demand_blocks
         )
         output = super().schedule(*args, **kwargs)
+        self.offload.on_requests(
+            step, (new.req_id for new in output.scheduled_new_reqs), output.finished_req_ids
+        )
         self._left_waiting = hacks.num_waiting(self)
         room = max(self.max_num_running_reqs - len(self.running), 0)
         self._demand_blocks = (

@@ -336,3 +336,68 @@ def test_the_price_of_a_level_counts_the_kv_its_admitted_requests_read() -> None
         model.step_ms(4, admitted) - model.step_ms(4, admitted._replace(num_context_tokens=0))
         > 0.3 * now
     )
+
+
+def test_a_climb_prices_its_exit() -> None:
+    """Qwen3-32B over 392 GB/s (the simulator's step model). Behind a burst's batch (75
+    requests of 1,500 tokens) level 4's copies hide and it adds 15% of KV: it pays. But
+    once the burst ends the level is held until its blocks free, about a request's
+    lifetime: 3,500 steps for outputs of 1-4k tokens, each paying what level 4 costs over
+    level 0 on the calm batch (35 requests: the piecewise penalty). That exit is worth
+    the climb only in a burst long enough to amortise it; short outputs (200 steps) cost
+    little. Level 6 exposes copies on the calm batch (+5 ms a step): its exit costs more."""
+    config = PolicyConfig()
+    cost = StepCost(18.6, 0.057, 0.1046, ms_per_context_token=6.55e-5)
+    model = OffloadCostModel.from_step_cost(
+        LAYERS, LAYER_BYTES, 392e9, cost, piecewise_penalty_ms=0.81
+    )
+    burst = (StepShape(75, 0, 75 * 1500),) * 16
+    calm = (StepShape(35, 0, 35 * 1500),) * 16
+
+    def decide(exit_steps: int | None, episode: int, level: int = 0) -> int:
+        policy = OffloadPolicy(
+            config, 8, lambda k: 6112 + PER_LEVEL * k, LatencyEstimator(config, model)
+        )
+        policy.switch.observe(+1, 5.1)
+        policy.switch.observe(-1, 6.0)
+        policy.level, policy.episode = level, episode - 1
+        pressure = Pressure(
+            5, 0.999, burst, 1000, demand_blocks=10_000, exit_steps=exit_steps, calm_mix=calm
+        )
+        return policy.decide(pressure).level
+
+    # The exit unknown (no request has finished yet): the climb as before.
+    assert decide(None, 100) == 4
+    # Short-lived requests: the exit is soon paid for.
+    assert decide(200, 300) == decide(200, 1000) == 4
+    # Long-lived requests: not in a burst of 1,000 steps, yes in one of 3,000.
+    assert decide(3500, 1000) == 0
+    assert decide(3500, 3000) == 4
+    # Without a calm period seen, the exit is not priced.
+    policy = OffloadPolicy(
+        config, 8, lambda k: 6112 + PER_LEVEL * k, LatencyEstimator(config, model)
+    )
+    assert policy.exit_ms(4, 3500, ()) == 0.0
+    # What a level's exit costs grows where its copies stop hiding on the calm batch.
+    four, six = policy.exit_ms(4, 3500, calm), policy.exit_ms(6, 3500, calm)
+    assert four == pytest.approx(0.81 * 3500, rel=0.05)
+    assert six > 5 * four
+
+
+def test_request_lifetimes_give_the_exit() -> None:
+    """The controller's record of how long requests hold blocks: from the step that first
+    schedules one to the step that reports it finished; a preempted request resumed keeps
+    its start; the exit is their 90th percentile once eight have finished."""
+    from dynoff.policy.pricing import RequestLifetimes
+
+    lifetimes = RequestLifetimes()
+    for i in range(7):
+        lifetimes.started(f"r{i}", 10)
+        lifetimes.finished(f"r{i}", 10 + 100 * (i + 1))
+    assert lifetimes.exit_steps() is None
+    lifetimes.started("long", 0)
+    lifetimes.started("long", 500)  # resumed after a preemption: still from step 0
+    lifetimes.finished("long", 5000)
+    lifetimes.finished("never-started", 10)
+    assert lifetimes.exit_steps() == 5000
+    assert lifetimes.in_flight == 0

@@ -237,3 +237,29 @@ def test_a_step_reports_the_kv_its_decodes_read(tmp_path: Path) -> None:
     third = scheduler.schedule()
     assert step_shape(third) == (2, 0, 21 + 70)
     scheduler.shutdown()
+
+
+def test_the_policy_learns_how_long_requests_hold_their_blocks(tmp_path: Path) -> None:
+    """vLLM's own ``SchedulerOutput`` tells the controller which requests a step started
+    (``scheduled_new_reqs``) and which finished since the last (``finished_req_ids``): a
+    request of 16 output tokens (the first sampled by its prefill) holds its blocks for the
+    16 steps from its prefill to the step that reports it finished. Eight of them price a
+    climb's exit; the steps of a calm period are the mix it is priced over."""
+    scheduler = build(tmp_path, schedule=[])
+    for i in range(8):
+        scheduler.add_request(make_request(list(range(100 * i, 100 * i + 20))))
+    steps = 0
+    while scheduler.has_requests() and steps < 100:
+        output = scheduler.schedule()
+        decode, prefill, context = step_shape(output)
+        report = StepReport(scheduler.current_step, 0, 5.0, decode, prefill, ())
+        finish_step(scheduler, output, dataclasses.replace(report, num_context_tokens=context))
+        steps += 1
+    scheduler.schedule()  # reports the last finished requests
+    lifetimes = scheduler.offload.lifetimes
+    assert lifetimes.in_flight == 0
+    assert lifetimes.exit_steps() == 16
+    calm = scheduler.offload._calm_mix
+    assert list(calm) == list(scheduler.offload._mix)  # never under pressure: every step
+    assert calm[-1].num_decode_tokens == 8
+    scheduler.shutdown()

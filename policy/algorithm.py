@@ -29,7 +29,7 @@ Qwen3-32B layer copies in 17.7 ms against a 25-40 ms decode step: almost never):
                      elif no audit open and one could judge a climb now (a saturated
                           window of steps behind), for the best j in reach
                           (k+1, k+2, k+4, ..., M) not backed off:
-                          C'_j / (L_j + ((j - k) (S_up + S_down) + X ΔL'_j) / H)
+                          C'_j / (L_j + ((j - k) (S_up + S_down) + X ΔL'_j R'/R) / H)
                               > (1 + m_j) · C_k / L_k:
                           k = j                                            ("up")
                      [elif descend_under_pressure ...: k -= 1]
@@ -41,7 +41,8 @@ L comes from the latency model over the recent step mix (exposed copies and the 
 penalty included; L_j over the mix with C_j/C_k times the decode tokens, the requests the
 extra KV admits), S from :class:`~dynoff.policy.pricing.SwitchCost`, X ΔL'_j the climb's
 exit (about a request's lifetime at L_j - L_k over the last calm steps: the level is held
-until its blocks free, :class:`~dynoff.policy.pricing.RequestLifetimes`), H is the cooldown or
+until its blocks free, :class:`~dynoff.policy.pricing.RequestLifetimes`; weighed by the
+calm steps' requests over those running and waiting now), H is the cooldown or
 the pressure episode's length so far, whichever is longer, and m_j is ``climb_margin`` or,
 unset, the measured noise of the proxy (:func:`~dynoff.policy.pricing.noise_margin`). An
 unknown L_j holds: nothing is explored on a guess. While level j has no measurements of
@@ -102,6 +103,7 @@ class Pressure:
     # known yet) and the step mix of the last calm period it is held over
     exit_steps: int | None = None
     calm_mix: tuple[StepShape, ...] = ()
+    running: int | None = None  # the requests the scheduler runs (None: not known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,9 +230,11 @@ class OffloadPolicy:
         now_ms: float | None = None,
         exit_steps: int | None = None,
         calm_mix: tuple[StepShape, ...] = (),
+        requests: int | None = None,
     ) -> float | None:
-        """C'_j / (L_j + ((j - k) (S_up + S_down) + X (L'_j - L'_k)) / H) for a level j
-        above k, or None while L is unknown (X, L': the exit, :meth:`exit_ms`).
+        """C'_j / (L_j + ((j - k) (S_up + S_down) + X (L'_j - L'_k) R'/R) / H) for a
+        level j above k, or None while L is unknown (X, L', R'/R: the exit,
+        :meth:`exit_ms`; ``requests``: R, running and waiting now).
 
         L_j is priced over the mix as level j would run it: with the KV full, the extra
         capacity admits proportionally more requests, so every step decodes C_j/C_k times
@@ -257,7 +261,7 @@ class OffloadPolicy:
             return None
         horizon = max(self.config.cooldown_steps, self.episode, 1)
         stalls = (level - self.level) * self.switch.round_trip_ms(now)
-        nxt += (stalls + self.exit_ms(level, exit_steps, calm_mix)) / horizon
+        nxt += (stalls + self.exit_ms(level, exit_steps, calm_mix, requests)) / horizon
         useful = float(blocks)
         if demand_blocks is not None:
             useful = min(useful, now_blocks + demand_blocks)
@@ -265,17 +269,32 @@ class OffloadPolicy:
             useful = min(useful, now_blocks * max(batch_room, 1.0))
         return useful / nxt
 
-    def exit_ms(self, level: int, exit_steps: int | None, calm_mix: tuple[StepShape, ...]) -> float:
+    def exit_ms(
+        self,
+        level: int,
+        exit_steps: int | None,
+        calm_mix: tuple[StepShape, ...],
+        requests: int | None = None,
+    ) -> float:
         """What holding ``level`` instead of k costs after the pressure ends, until its
         blocks free: ``exit_steps`` steps at L_j - L_k over the calm steps' mix (0 while
-        either is unknown; :mod:`~dynoff.policy.pricing`)."""
+        either is unknown; :mod:`~dynoff.policy.pricing`), in the pressure's terms.
+
+        A calm step's extra time delays the requests running then, R' (the calm steps'
+        decodes); a step of the pressure, which the rest of the price is about, serves the
+        R requests running and waiting now, whose every one a faster step brings closer to
+        its end. Request for request, a calm millisecond weighs R'/R of a pressured one."""
         if not exit_steps or not calm_mix or level <= self.level:
             return 0.0
         high = self.estimator.estimate(level, calm_mix)
         low = self.estimator.estimate(self.level, calm_mix)
         if high is None or low is None:
             return 0.0
-        return max(high - low, 0.0) * exit_steps
+        weight = 1.0
+        if requests:
+            calm = sum(s.num_decode_tokens for s in calm_mix) / len(calm_mix)
+            weight = min(1.0, max(calm, 1.0) / requests)
+        return max(high - low, 0.0) * exit_steps * weight
 
     def priced_next(self, mix: tuple[StepShape, ...]) -> float | None:
         """The price of level k+1 (:meth:`priced`, no demand bound)."""
@@ -307,6 +326,7 @@ class OffloadPolicy:
                         now_ms,
                         pressure.exit_steps,
                         pressure.calm_mix,
+                        None if pressure.running is None else pressure.running + pressure.waiting,
                     )
                     margin = self.margin(len(mix), level)
                     if price is None:

@@ -347,6 +347,7 @@ class OffloadController:
                 room,
                 self.lifetimes.exit_steps(),
                 tuple(self._calm_mix),
+                running,
             )
             decision = self.policy.decide(pressure)
             target, self._decision, self._last = decision.level, decision.reason, decision

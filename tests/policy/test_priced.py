@@ -345,7 +345,9 @@ def test_a_climb_prices_its_exit() -> None:
     lifetime: 3,500 steps for outputs of 1-4k tokens, each paying what level 4 costs over
     level 0 on the calm batch (35 requests: the piecewise penalty). That exit is worth
     the climb only in a burst long enough to amortise it; short outputs (200 steps) cost
-    little. Level 6 exposes copies on the calm batch (+5 ms a step): its exit costs more."""
+    little. Level 6 exposes copies on the calm batch (+5 ms a step): its exit costs more.
+    A calm millisecond delays fewer requests than one of the burst: it is weighed by their
+    ratio."""
     config = PolicyConfig()
     cost = StepCost(18.6, 0.057, 0.1046, ms_per_context_token=6.55e-5)
     model = OffloadCostModel.from_step_cost(
@@ -354,7 +356,9 @@ def test_a_climb_prices_its_exit() -> None:
     burst = (StepShape(75, 0, 75 * 1500),) * 16
     calm = (StepShape(35, 0, 35 * 1500),) * 16
 
-    def decide(exit_steps: int | None, episode: int, level: int = 0) -> int:
+    def decide(
+        exit_steps: int | None, episode: int, level: int = 0, running: int | None = None
+    ) -> int:
         policy = OffloadPolicy(
             config, 8, lambda k: 6112 + PER_LEVEL * k, LatencyEstimator(config, model)
         )
@@ -362,7 +366,14 @@ def test_a_climb_prices_its_exit() -> None:
         policy.switch.observe(-1, 6.0)
         policy.level, policy.episode = level, episode - 1
         pressure = Pressure(
-            5, 0.999, burst, 1000, demand_blocks=10_000, exit_steps=exit_steps, calm_mix=calm
+            5,
+            0.999,
+            burst,
+            1000,
+            demand_blocks=10_000,
+            exit_steps=exit_steps,
+            calm_mix=calm,
+            running=running,
         )
         return policy.decide(pressure).level
 
@@ -373,6 +384,9 @@ def test_a_climb_prices_its_exit() -> None:
     # Long-lived requests: not in a burst of 1,000 steps, yes in one of 3,000.
     assert decide(3500, 1000) == 0
     assert decide(3500, 3000) == 4
+    # Weighed request for request: a calm step delays its 35 requests, a step of the burst
+    # the 75 running and 5 waiting; with them counted the climb pays within 1,000 steps.
+    assert decide(3500, 1000, running=75) == 4
     # Without a calm period seen, the exit is not priced.
     policy = OffloadPolicy(
         config, 8, lambda k: 6112 + PER_LEVEL * k, LatencyEstimator(config, model)
@@ -382,6 +396,8 @@ def test_a_climb_prices_its_exit() -> None:
     four, six = policy.exit_ms(4, 3500, calm), policy.exit_ms(6, 3500, calm)
     assert four == pytest.approx(0.81 * 3500, rel=0.05)
     assert six > 5 * four
+    assert policy.exit_ms(4, 3500, calm, requests=80) == pytest.approx(four * 35 / 80)
+    assert policy.exit_ms(4, 3500, calm, requests=20) == pytest.approx(four)  # at most 1
 
 
 def test_request_lifetimes_give_the_exit() -> None:

@@ -29,7 +29,7 @@ Qwen3-32B layer copies in 17.7 ms against a 25-40 ms decode step: almost never):
                      elif no audit open and one could judge a climb now (a saturated
                           window of steps behind), for the best j in reach
                           (k+1, k+2, k+4, ..., M) not backed off:
-                          C'_j / (L_j + ((j - k) (S_up + S_down) + X ΔL'_j R'/R) / H)
+                          C'_j / (L_j + ((j - k) (S_up + S_down) + E_j) / H)
                               > (1 + m_j) · C_k / L_k:
                           k = j                                            ("up")
                      [elif descend_under_pressure ...: k -= 1]
@@ -39,10 +39,10 @@ Qwen3-32B layer copies in 17.7 ms against a 25-40 ms decode step: almost never):
 
 L comes from the latency model over the recent step mix (exposed copies and the piecewise
 penalty included; L_j over the mix with C_j/C_k times the decode tokens, the requests the
-extra KV admits), S from :class:`~dynoff.policy.pricing.SwitchCost`, X ΔL'_j the climb's
-exit (about a request's lifetime at L_j - L_k over the last calm steps: the level is held
-until its blocks free, :class:`~dynoff.policy.pricing.RequestLifetimes`; weighed by the
-calm steps' requests over those running and waiting now), H is the cooldown or
+extra KV admits), S from :class:`~dynoff.policy.pricing.SwitchCost`, E_j the climb's
+exit (the level is held until its blocks free, about a request's lifetime, while the
+batch drains: L_j - L_k on the draining batch, weighed by the requests it still holds;
+:meth:`OffloadPolicy.exit_ms`), H is the cooldown or
 the pressure episode's length so far, whichever is longer, and m_j is ``climb_margin`` or,
 unset, the measured noise of the proxy (:func:`~dynoff.policy.pricing.noise_margin`). An
 unknown L_j holds: nothing is explored on a guess. While level j has no measurements of
@@ -100,10 +100,8 @@ class Pressure:
     # ... and how far the batch may still grow (max_num_seqs / running; None: no bound).
     batch_room: float | None = None
     # priced: a climb's exit, the steps a level is held past the pressure (None: not
-    # known yet) and the step mix of the last calm period it is held over
+    # known yet)
     exit_steps: int | None = None
-    calm_mix: tuple[StepShape, ...] = ()
-    running: int | None = None  # the requests the scheduler runs (None: not known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +141,8 @@ class OffloadPolicy:
         self.cooldown = 0
         self.switch = SwitchCost()
         self.backoff = Backoff(config.loss_backoff_steps)
-        self.episode = 0  # consecutive decisions under pressure
+        self.episode = 0  # decisions under pressure since the episode began ...
+        self._calm_run = 0  # ... which ends after a cooldown's worth of calm decisions
         self.unmeasured_margin = 0.0  # the model's error on a level it has not measured
         self._lost: int | None = None  # a level the audit measured as a loss ...
         self._lost_to = 0  # ... and the level its climb came from
@@ -164,7 +163,15 @@ class OffloadPolicy:
     def decide(self, pressure: Pressure) -> Decision:
         """One decision of the configured rule; updates and returns the level."""
         high = pressure.waiting > 0 or pressure.kv_utilization > self.config.high_threshold
-        self.episode = self.episode + 1 if high else 0
+        # A steady load keeps the KV near τ_h and dips under it for a step or two: that is
+        # one episode, not many short ones (each would reset the horizon the stalls and a
+        # climb's exit are amortised over).
+        if high:
+            self.episode, self._calm_run = self.episode + 1, 0
+        else:
+            self._calm_run += 1
+            if self._calm_run >= self.config.cooldown_steps:
+                self.episode = 0
         if high:
             self.calm_ms, self.calm_steps = 0.0, 0
         if self.warming_up:
@@ -229,12 +236,9 @@ class OffloadPolicy:
         batch_room: float | None = None,
         now_ms: float | None = None,
         exit_steps: int | None = None,
-        calm_mix: tuple[StepShape, ...] = (),
-        requests: int | None = None,
     ) -> float | None:
-        """C'_j / (L_j + ((j - k) (S_up + S_down) + X (L'_j - L'_k) R'/R) / H) for a
-        level j above k, or None while L is unknown (X, L', R'/R: the exit,
-        :meth:`exit_ms`; ``requests``: R, running and waiting now).
+        """C'_j / (L_j + ((j - k) (S_up + S_down) + E_j) / H) for a level j above k, or
+        None while L is unknown (E_j: the exit, :meth:`exit_ms`).
 
         L_j is priced over the mix as level j would run it: with the KV full, the extra
         capacity admits proportionally more requests, so every step decodes C_j/C_k times
@@ -261,7 +265,7 @@ class OffloadPolicy:
             return None
         horizon = max(self.config.cooldown_steps, self.episode, 1)
         stalls = (level - self.level) * self.switch.round_trip_ms(now)
-        nxt += (stalls + self.exit_ms(level, exit_steps, calm_mix, requests)) / horizon
+        nxt += (stalls + self.exit_ms(level, exit_steps, admitted)) / horizon
         useful = float(blocks)
         if demand_blocks is not None:
             useful = min(useful, now_blocks + demand_blocks)
@@ -269,32 +273,34 @@ class OffloadPolicy:
             useful = min(useful, now_blocks * max(batch_room, 1.0))
         return useful / nxt
 
-    def exit_ms(
-        self,
-        level: int,
-        exit_steps: int | None,
-        calm_mix: tuple[StepShape, ...],
-        requests: int | None = None,
-    ) -> float:
-        """What holding ``level`` instead of k costs after the pressure ends, until its
-        blocks free: ``exit_steps`` steps at L_j - L_k over the calm steps' mix (0 while
-        either is unknown; :mod:`~dynoff.policy.pricing`), in the pressure's terms.
+    # The exit's steps, as the batch of the pressure drains: a quarter of them at each of
+    # these fractions of it (the midpoints of a linear decay).
+    EXIT_BATCH = (0.125, 0.375, 0.625, 0.875)
 
-        A calm step's extra time delays the requests running then, R' (the calm steps'
-        decodes); a step of the pressure, which the rest of the price is about, serves the
-        R requests running and waiting now, whose every one a faster step brings closer to
-        its end. Request for request, a calm millisecond weighs R'/R of a pressured one."""
-        if not exit_steps or not calm_mix or level <= self.level:
+    def exit_ms(self, level: int, exit_steps: int | None, mix: tuple[StepShape, ...]) -> float:
+        """E_j: what holding ``level`` instead of k costs once the pressure ends, in the
+        pressure's terms (0 while the exit or L is unknown; :mod:`~dynoff.policy.pricing`).
+
+        The level is held until its blocks free, ``exit_steps`` X, while the requests the
+        pressure admitted (``mix``, as level j runs it) finish: the batch drains from all of
+        them to none. A step at a fraction f of the batch costs L_j - L_k at that batch,
+        and delays f of the requests a step of the pressure serves: E_j = X · mean over f
+        of f (L_j - L_k)(f · batch). A small batch hides fewer copies, so a level whose
+        copies hide only behind the burst's batch pays for its exit; one that hides them
+        on any batch pays its piecewise penalty, on fewer and fewer requests."""
+        if not exit_steps or not mix or level <= self.level:
             return 0.0
-        high = self.estimator.estimate(level, calm_mix)
-        low = self.estimator.estimate(self.level, calm_mix)
-        if high is None or low is None:
-            return 0.0
-        weight = 1.0
-        if requests:
-            calm = sum(s.num_decode_tokens for s in calm_mix) / len(calm_mix)
-            weight = min(1.0, max(calm, 1.0) / requests)
-        return max(high - low, 0.0) * exit_steps * weight
+        decode = sum(s.num_decode_tokens for s in mix) / len(mix)
+        context = sum(s.num_context_tokens for s in mix) / len(mix)
+        cost = 0.0
+        for f in self.EXIT_BATCH:
+            shape = (StepShape(max(1, round(decode * f)), 0, round(context * f, -3)),)
+            high = self.estimator.estimate(level, shape)
+            low = self.estimator.estimate(self.level, shape)
+            if high is None or low is None:
+                return 0.0
+            cost += f * max(high - low, 0.0)
+        return exit_steps * cost / len(self.EXIT_BATCH)
 
     def priced_next(self, mix: tuple[StepShape, ...]) -> float | None:
         """The price of level k+1 (:meth:`priced`, no demand bound)."""
@@ -325,8 +331,6 @@ class OffloadPolicy:
                         pressure.batch_room,
                         now_ms,
                         pressure.exit_steps,
-                        pressure.calm_mix,
-                        None if pressure.running is None else pressure.running + pressure.waiting,
                     )
                     margin = self.margin(len(mix), level)
                     if price is None:

@@ -126,7 +126,6 @@ class OffloadController:
         self._ran_at: int | None = None  # rank 0's level once it processed the inflight command
         self._next_id = 0
         self._mix: deque[StepShape] = deque(maxlen=config.policy.mix_steps)
-        self._calm_mix: deque[StepShape] = deque(maxlen=config.policy.mix_steps)
         self.lifetimes = RequestLifetimes()  # how long a level's blocks stay held
         self._decision = "hold"
         self._last: Decision | None = None
@@ -289,8 +288,6 @@ class OffloadController:
                 round(report.num_context_tokens, -CONTEXT_ROUNDING),
             )
             self._mix.append(shape)
-            if not self._pressured:  # what a level is held over once a burst has passed
-                self._calm_mix.append(shape)
             self.estimator.observe(report.level, report.forward_ms, shape)
             self.trace.forward(
                 step=report.step,
@@ -346,8 +343,6 @@ class OffloadController:
                 demand_blocks,
                 room,
                 self.lifetimes.exit_steps(),
-                tuple(self._calm_mix),
-                running,
             )
             decision = self.policy.decide(pressure)
             target, self._decision, self._last = decision.level, decision.reason, decision

@@ -3,7 +3,7 @@
 A climb k -> k+1 is priced (:class:`~dynoff.policy.algorithm.OffloadPolicy`, rule
 ``priced``) as
 
-    E[T_{k+1}] = C_{k+1} / (L_{k+1} + ((S_up + S_down) + X (L'_{k+1} - L'_k) R'/R) / H)
+    E[T_{k+1}] = C_{k+1} / (L_{k+1} + ((S_up + S_down) + E_{k+1}) / H)
 
 against E[T_k] = C_k / L_k, and taken only when it wins by the margin. L_{k+1} (the
 latency model over the recent step mix) carries the copy time left exposed and the
@@ -12,16 +12,16 @@ piecewise-graph penalty; S_up and S_down are the engine stalls of changing in an
 as many steps as the episode has lasted so far (an episode that has lasted T steps is
 expected to last about as long again).
 
-X (L'_{k+1} - L'_k) is the climb's exit: once the pressure ends the level is left only as
-fast as its blocks free, and blocks are handed out across the whole pool, so about as long
-as a request holds its blocks, X steps (:class:`RequestLifetimes`); all that while each
-step pays what level k+1 costs over level k on the steps of a calm period (L', the mix of
-the last steps without pressure), where a small batch hides fewer copies, weighed R'/R:
-a calm step's extra time delays the R' requests it runs, a step of the pressure serves
-the R running and waiting (:meth:`~dynoff.policy.algorithm.OffloadPolicy.exit_ms`). On a fast link
-with long outputs (1-4k tokens) a level whose copies hide only behind a burst's batch is
-held for minutes after it: a loss the climb must price (the simulator, bursty long outputs
-at 392 GB/s: level 6 held 120 s past the burst at 30 ms steps where level 0 ran 22 ms).
+E_{k+1} is the climb's exit: once the pressure ends the level is left only as fast as its
+blocks free, and blocks are handed out across the whole pool, so about as long as a
+request holds its blocks, X steps (:class:`RequestLifetimes`), while the batch the pressure
+admitted drains; each of those steps pays what level k+1 costs over level k on the
+draining batch, where fewer requests hide fewer copies, weighed by the share of the
+requests still running (:meth:`~dynoff.policy.algorithm.OffloadPolicy.exit_ms`). On a fast
+link with long outputs (1-4k tokens) a level whose copies hide only behind a burst's batch
+is held for minutes after it: a loss the climb must price (the simulator, bursty long
+outputs at 392 GB/s: level 6 held 120 s past the burst at 30 ms steps where level 0 ran
+22 ms).
 """
 
 from __future__ import annotations

@@ -342,62 +342,54 @@ def test_a_climb_prices_its_exit() -> None:
     """Qwen3-32B over 392 GB/s (the simulator's step model). Behind a burst's batch (75
     requests of 1,500 tokens) level 4's copies hide and it adds 15% of KV: it pays. But
     once the burst ends the level is held until its blocks free, about a request's
-    lifetime: 3,500 steps for outputs of 1-4k tokens, each paying what level 4 costs over
-    level 0 on the calm batch (35 requests: the piecewise penalty). That exit is worth
-    the climb only in a burst long enough to amortise it; short outputs (200 steps) cost
-    little. Level 6 exposes copies on the calm batch (+5 ms a step): its exit costs more.
-    A calm millisecond delays fewer requests than one of the burst: it is weighed by their
-    ratio."""
+    lifetime: 3,500 steps for outputs of 1-4k tokens, while the batch drains; each of those
+    steps pays what level 4 costs over level 0 on the draining batch (the piecewise
+    penalty, and on the smallest batches copies that no longer hide), weighed by the
+    requests still running. That exit is worth the climb only in a burst long enough to
+    amortise it; short outputs (200 steps) cost little. Level 6's copies hide only behind
+    a big batch: its exit costs more."""
     config = PolicyConfig()
     cost = StepCost(18.6, 0.057, 0.1046, ms_per_context_token=6.55e-5)
     model = OffloadCostModel.from_step_cost(
         LAYERS, LAYER_BYTES, 392e9, cost, piecewise_penalty_ms=0.81
     )
     burst = (StepShape(75, 0, 75 * 1500),) * 16
-    calm = (StepShape(35, 0, 35 * 1500),) * 16
 
-    def decide(
-        exit_steps: int | None, episode: int, level: int = 0, running: int | None = None
-    ) -> int:
+    def make() -> OffloadPolicy:
         policy = OffloadPolicy(
             config, 8, lambda k: 6112 + PER_LEVEL * k, LatencyEstimator(config, model)
         )
         policy.switch.observe(+1, 5.1)
         policy.switch.observe(-1, 6.0)
-        policy.level, policy.episode = level, episode - 1
-        pressure = Pressure(
-            5,
-            0.999,
-            burst,
-            1000,
-            demand_blocks=10_000,
-            exit_steps=exit_steps,
-            calm_mix=calm,
-            running=running,
-        )
+        return policy
+
+    def decide(exit_steps: int | None, episode: int) -> int:
+        policy = make()
+        policy.episode = episode - 1
+        pressure = Pressure(5, 0.999, burst, 1000, demand_blocks=10_000, exit_steps=exit_steps)
         return policy.decide(pressure).level
 
     # The exit unknown (no request has finished yet): the climb as before.
     assert decide(None, 100) == 4
     # Short-lived requests: the exit is soon paid for.
     assert decide(200, 300) == decide(200, 1000) == 4
-    # Long-lived requests: not in a burst of 1,000 steps, yes in one of 3,000.
-    assert decide(3500, 1000) == 0
-    assert decide(3500, 3000) == 4
-    # Weighed request for request: a calm step delays its 35 requests, a step of the burst
-    # the 75 running and 5 waiting; with them counted the climb pays within 1,000 steps.
-    assert decide(3500, 1000, running=75) == 4
-    # Without a calm period seen, the exit is not priced.
-    policy = OffloadPolicy(
-        config, 8, lambda k: 6112 + PER_LEVEL * k, LatencyEstimator(config, model)
-    )
-    assert policy.exit_ms(4, 3500, ()) == 0.0
-    # What a level's exit costs grows where its copies stop hiding on the calm batch.
-    four, six = policy.exit_ms(4, 3500, calm), policy.exit_ms(6, 3500, calm)
-    assert four == pytest.approx(0.81 * 3500, rel=0.05)
-    assert six > 5 * four
-    assert policy.exit_ms(4, 3500, calm, requests=80) == pytest.approx(four * 35 / 80)
-    assert policy.exit_ms(4, 3500, calm, requests=20) == pytest.approx(four)  # at most 1
+    # Long-lived requests: not in a burst of 100 steps, yes in one of 1,000.
+    assert decide(3500, 100) == 0
+    assert decide(3500, 1000) == 4
+    # The exit by hand: a quarter of the steps at each eighth-midpoint of the batch,
+    # each costing the level's extra step time there, on that share of the requests.
+    policy = make()
+    four = policy.exit_ms(4, 3500, burst)
+    by_hand = 0.0
+    for f in (0.125, 0.375, 0.625, 0.875):
+        shape = StepShape(round(75 * f), 0, round(75 * 1500 * f, -3))
+        by_hand += f * (model.step_ms(4, shape) - model.step_ms(0, shape)) * 3500 / 4
+    assert four == pytest.approx(by_hand)
+    # Level 4 hides its copies even behind 9 requests here: its exit is the piecewise
+    # penalty, on half the requests on average.
+    assert four == pytest.approx(0.81 * 3500 / 2)
+    assert policy.exit_ms(6, 3500, burst) > 2 * four
+    assert policy.exit_ms(4, None, burst) == policy.exit_ms(0, 3500, burst) == 0.0
 
 
 def test_request_lifetimes_give_the_exit() -> None:

@@ -294,7 +294,7 @@ class OffloadPolicy:
         context = sum(s.num_context_tokens for s in mix) / len(mix)
         cost = 0.0
         for f in self.EXIT_BATCH:
-            shape = (StepShape(max(1, round(decode * f)), 0, round(context * f, -3)),)
+            shape = (StepShape(max(1, round(decode * f)), 0, int(round(context * f, -3))),)
             high = self.estimator.estimate(level, shape)
             low = self.estimator.estimate(self.level, shape)
             if high is None or low is None:

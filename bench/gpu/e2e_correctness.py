@@ -86,7 +86,7 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
         from bench.weights import EXTENSION
 
         kwargs["worker_extension_cls"] = EXTENSION
-    graphs = {"cudagraph_capture_sizes": CAPTURE}
+    graphs: dict[str, Any] = {"cudagraph_capture_sizes": CAPTURE}
     if mode.endswith(PIECEWISE):  # stock-pw, forced-pw, ...: every step piecewise
         graphs["cudagraph_mode"] = "PIECEWISE"
         kwargs["compilation_config"] = dict(graphs)

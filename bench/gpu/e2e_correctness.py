@@ -15,9 +15,9 @@ differ from stock, or the identity check could not see a wrong layer). ``stock-p
 ``forced-pw`` (and ``forced-wrong-pw``) are the same with ``cudagraph_mode=PIECEWISE``: ``forced``
 runs its k > 0 steps piecewise and its k = 0 steps on FULL graphs, and FULL and piecewise
 attention need not agree to the last bit (on the H100, with distinct weights, ``forced``
-left 3 of 256 requests 30-50 steps after its last level change, at k = 0, where a wrong
-layer or a lost KV page changes every running request at once); on one graph mode the
-offloaded layers must give stock's tokens exactly. Every engine sees the
+left 3 of 256 requests 30-50 steps after its last level change, at k = 0); on one graph
+mode, with the same level changes and page unmaps, the offloaded layers and the remapped
+KV must give stock's tokens exactly. Every engine sees the
 same first batch on a cold prefix cache; KV capacity is ample at every level, so all engines
 schedule the same batches. It reports token identity between them, the k = 0 throughput
 ratio (best of ``--repeats`` batches, distinct prompts each, after a warm-up) and the decode

@@ -13,8 +13,9 @@ that forced schedule with each offloaded layer copied in with its partner's weig
 negative control: it must differ). With the default graph mode the forced engine runs k = 0
 on FULL graphs and k > 0 piecewise, and FULL and piecewise attention need not agree to the
 last bit: on the H100 (2026-12-05) it left 3 of 256 requests, 30-50 steps after its last
-level change, at k = 0 (where a wrong layer or a lost KV page would change every running
-request at once). That pair is reported, not asserted. The k = 0 throughput ratio is a
+level change, at k = 0 (a wrong layer would change every running request at once; the
+piecewise pair, with the same level changes and page unmaps, tells a lost KV page from the
+graph modes' last bits). That pair is reported, not asserted. The k = 0 throughput ratio is a
 benchmark figure (``bash bench/gpu/e2e_correctness.sh identity``), not asserted here.
 
 The engines take longer than one 600 s device call (two Qwen3-8B start-ups per ~400 s).

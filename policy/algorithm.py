@@ -168,12 +168,11 @@ class OffloadPolicy:
         # climb's exit are amortised over).
         if high:
             self.episode, self._calm_run = self.episode + 1, 0
+            self.calm_ms, self.calm_steps = 0.0, 0
         else:
             self._calm_run += 1
             if self._calm_run >= self.config.cooldown_steps:
                 self.episode = 0
-        if high:
-            self.calm_ms, self.calm_steps = 0.0, 0
         if self.warming_up:
             return self._warmup_step()
         if self.cooldown > 0:

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_results
+from bench.common import read_results, write_results
 
 CAPTURE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 WORKER = "dynoff.compile_pass.worker.DynamicOffloadWorker"
@@ -86,10 +86,9 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
         from bench.weights import EXTENSION
 
         kwargs["worker_extension_cls"] = EXTENSION
-    graphs: dict[str, Any] = {"cudagraph_capture_sizes": CAPTURE}
+    graphs = kwargs["compilation_config"]
     if mode.endswith(PIECEWISE):  # stock-pw, forced-pw, ...: every step piecewise
         graphs["cudagraph_mode"] = "PIECEWISE"
-        kwargs["compilation_config"] = dict(graphs)
         mode = mode.removesuffix(PIECEWISE)
     if mode == "stock":
         return kwargs
@@ -244,15 +243,6 @@ def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dic
     return report
 
 
-def read_text(path: Path) -> str:
-    """``path``, or its gzip-compressed ``path.gz`` as committed under bench/results/."""
-    if path.exists():
-        return path.read_text()
-    import gzip
-
-    return gzip.decompress(path.with_name(path.name + ".gz").read_bytes()).decode()
-
-
 def combine(paths: list[str]) -> dict[str, Any]:
     """One report from the results of several calls (each ``X.json`` with its
     ``X.outputs.json``), when the engines did not all run on one machine. A mode seen twice
@@ -262,7 +252,10 @@ def combine(paths: list[str]) -> dict[str, Any]:
     calls = []
     for path in paths:
         result = json.loads(Path(path).read_text())
-        found = json.loads(read_text(Path(path).with_suffix(".outputs.json")))
+        found_at = Path(path).with_suffix(".outputs.json")
+        if not found_at.exists():  # committed gzip-compressed under bench/results/
+            found_at = found_at.with_name(found_at.name + ".gz")
+        found = read_results(found_at)
         calls.append({"command": result["command"], "machine": result["machine"]})
         for mode, engine in result["engines"].items():
             name = mode if mode not in engines else f"{mode}_2"

@@ -409,3 +409,23 @@ def test_request_lifetimes_give_the_exit() -> None:
     lifetimes.finished("never-started", 10)
     assert lifetimes.exit_steps() == 5000
     assert lifetimes.in_flight == 0
+
+
+def test_a_pressure_episode_outlasts_a_short_dip() -> None:
+    """A steady load keeps the KV near τ_h and dips under it for a step or two: the
+    episode the stalls and a climb's exit are amortised over goes on through the dip, and
+    ends only after a cooldown's worth of calm decisions."""
+    config = PolicyConfig()
+    model = OffloadCostModel.from_step_cost(LAYERS, LAYER_BYTES, 392e9, StepCost(18.6, 0.057))
+    estimator = LatencyEstimator(config, model)
+    policy = OffloadPolicy(config, 4, lambda k: 6000 + PER_LEVEL * k, estimator)
+    high, calm = Pressure(0, 0.99), Pressure(0, 0.5)
+    for _ in range(100):
+        policy.decide(high)
+    for _ in range(3):
+        policy.decide(calm)
+    policy.decide(high)
+    assert policy.episode == 101
+    for _ in range(config.cooldown_steps):
+        policy.decide(calm)
+    assert policy.episode == 0

@@ -439,16 +439,11 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             up = command.target_level > level
             stall = model.stall_up_ms if up else model.stall_down_ms
             level = command.target_level
-        decode = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
-        prefill = sum(n for n in out.num_scheduled_tokens.values() if n > 1)
-        context = sum(
-            scheduler.requests[rid].num_computed_tokens
-            for rid, n in out.num_scheduled_tokens.items()
-            if n == 1
-        )
-        # Attention reads the context inside every layer, so it lengthens the compute that
-        # hides the copies (on the emulated link its HBM reads share the copy kernel's).
-        shape = StepShape(decode, prefill, context)
+        # The step as the worker reads it. Attention reads the context inside every layer, so
+        # it lengthens the compute that hides the copies (on the emulated link its HBM reads
+        # share the copy kernel's).
+        shape = StepShape.of(out)
+        decode, prefill, context = shape
         forward = cost.step_ms(level, shape) if decode + prefill else 0.0
         connector_output = None
         if tier is not None:

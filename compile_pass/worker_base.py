@@ -54,6 +54,7 @@ from dynoff.policy.geometry import (
     resolve_kv_layout,
     uses_v2_runner,
 )
+from dynoff.policy.latency import StepShape
 from dynoff.policy.messages import (
     RUNNER_OUTPUT_ATTR,
     SCHEDULER_OUTPUT_ATTR,
@@ -158,31 +159,6 @@ def with_report(output: Any, report: StepReport) -> Any:
         output = copy.copy(output)  # never mutate vLLM's shared empty output
     setattr(output, RUNNER_OUTPUT_ATTR, report)
     return output
-
-
-def step_shape(scheduler_output: Any) -> tuple[int, int, int]:
-    """(decode tokens, prefill tokens, context tokens) of a step: one-token requests
-    decode, and their attention reads the tokens they have computed (``SchedulerOutput``'s
-    new and cached request data carry the count before the step)."""
-    scheduled = scheduler_output.num_scheduled_tokens
-    decode = prefill = 0
-    for num in scheduled.values():
-        if num == 1:
-            decode += 1
-        else:
-            prefill += num
-    context = sum(
-        new.num_computed_tokens
-        for new in scheduler_output.scheduled_new_reqs
-        if scheduled.get(new.req_id) == 1
-    )
-    cached = scheduler_output.scheduled_cached_reqs
-    context += sum(
-        computed
-        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
-        if scheduled.get(req_id) == 1
-    )
-    return decode, prefill, context
 
 
 @dataclasses.dataclass
@@ -531,7 +507,7 @@ class DynamicOffloadMixin:
             state.outcomes += state.levels.apply_everywhere(command, self._gather)
             state.last_command = command.command_id
         state.step += 1
-        decode, prefill, context = step_shape(scheduler_output)
+        decode, prefill, context = StepShape.of(scheduler_output)
         state.timer.start(Timed(state.step, state.placement.level, decode, prefill, context))
         output = super().execute_model(scheduler_output)  # type: ignore[misc]
         return self._attach(output)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from dynoff.policy.config import PolicyConfig
 
@@ -58,6 +58,32 @@ class StepShape(NamedTuple):
     @property
     def decode_only(self) -> bool:
         return self.num_prefill_tokens == 0
+
+    @classmethod
+    def of(cls, scheduler_output: Any) -> StepShape:
+        """The shape of the step vLLM's ``SchedulerOutput`` schedules, as the worker runs it:
+        one-token requests decode, and their attention reads the tokens computed before the
+        step (the new and cached request data carry that count). The worker reports it and
+        the simulator prices it, so both read a step the same way."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        decode = prefill = 0
+        for num in scheduled.values():
+            if num == 1:
+                decode += 1
+            else:
+                prefill += num
+        context = sum(
+            new.num_computed_tokens
+            for new in scheduler_output.scheduled_new_reqs
+            if scheduled.get(new.req_id) == 1
+        )
+        cached = scheduler_output.scheduled_cached_reqs
+        context += sum(
+            computed
+            for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+            if scheduled.get(req_id) == 1
+        )
+        return cls(decode, prefill, context)
 
 
 @dataclasses.dataclass(frozen=True)

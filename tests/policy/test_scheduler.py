@@ -14,7 +14,6 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from dynoff.compile_pass.worker_base import step_shape
 from dynoff.policy.geometry import (
     PlanMismatchError,
     UnsupportedModelError,
@@ -24,6 +23,7 @@ from dynoff.policy.geometry import (
     plan_capacity,
     planned_layer_bytes,
 )
+from dynoff.policy.latency import StepShape
 from dynoff.policy.messages import PlanReport, ResizeOutcome, StepReport
 from dynoff.policy.scheduler import DynamicOffloadScheduler
 from tests.policy.kv_fixtures import SPEC, make_request
@@ -228,14 +228,14 @@ def test_a_step_reports_the_kv_its_decodes_read(tmp_path: Path) -> None:
     short, long_ = make_request(list(range(20))), make_request(list(range(100, 170)))
     scheduler.add_request(short)
     first = scheduler.schedule()
-    assert step_shape(first) == (0, 20, 0)  # a prefill: no decode, no context read
+    assert StepShape.of(first) == (0, 20, 0)  # a prefill: no decode, no context read
     finish_step(scheduler, first, StepReport(scheduler.current_step, 0, 5.0, 0, 20, ()))
     scheduler.add_request(long_)  # a new request and a decoding one in the same step
     second = scheduler.schedule()
-    assert step_shape(second) == (1, 70, 20)
+    assert StepShape.of(second) == (1, 70, 20)
     finish_step(scheduler, second, StepReport(scheduler.current_step, 0, 5.0, 1, 70, ()))
     third = scheduler.schedule()
-    assert step_shape(third) == (2, 0, 21 + 70)
+    assert StepShape.of(third) == (2, 0, 21 + 70)
     scheduler.shutdown()
 
 
@@ -251,7 +251,7 @@ def test_the_policy_learns_how_long_requests_hold_their_blocks(tmp_path: Path) -
     steps = 0
     while scheduler.has_requests() and steps < 100:
         output = scheduler.schedule()
-        decode, prefill, context = step_shape(output)
+        decode, prefill, context = StepShape.of(output)
         report = StepReport(scheduler.current_step, 0, 5.0, decode, prefill, ())
         finish_step(scheduler, output, dataclasses.replace(report, num_context_tokens=context))
         steps += 1

@@ -10,12 +10,22 @@ copied in with their partner's weights), ``live`` (the plugin's
 policy under a burst of 24 requests, then a light tail). ``--tp 2`` runs two tensor-parallel
 ranks (vLLM's CPU engine binds one core per rank: set ``VLLM_CPU_OMP_THREADS_BIND``, e.g.
 ``0|1``).
+
+``k0-many`` and ``forced-many``: the plugin held at k = 0, and the plugin starting at its top
+level and stepping down to 0 while 40 requests of mixed lengths (100-400 tokens in, 40-200
+out) decode. The first requests' blocks land on the groups the climb mapped, the lowerings
+unmap other groups and give their pages back to weights, and the requests decode on at
+k = 0 over KV that moved. Both run the same graphs (the pass's ops in place), so their
+outputs must agree to the last token; the reference engine has no ops, and on CPU Inductor
+fuses across the layer boundaries they stand at, so its bf16 roundings differ and greedy
+near ties flip in some of these longer requests.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -24,27 +34,59 @@ from bench.weights import EXTENSION
 from dynoff.policy.trace import summarize_trace
 
 FORCED_LEVELS = [[0, 0], [3, 2], [12, 1], [20, 2], [40, 0]]
+MANY_LEVELS = [[0, 4], [20, 3], [30, 2], [40, 1], [50, 0]]  # the tiny model's top level is 4
+
+
+def many_requests(count: int = 40, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) pairs of mixed lengths that all fit level 0's KV."""
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, 1000) for _ in range(rng.randint(100, 400))], rng.randint(40, 200))
+        for _ in range(count)
+    ]
+
+
+def kv_groups(trace: Path) -> dict[str, Any]:
+    """How many KV groups level 0 maps at start-up (groups ``0 .. n-1``), and every group a
+    lowering drained for its workers to unmap, in trace order."""
+    level_0, drained = 0, []
+    for line in trace.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("event") == "plan":
+            level_0 = record["capacity_blocks_level_0"] // record["group_blocks"]
+        for group in record.get("draining") or ():
+            if group not in drained:
+                drained.append(group)
+    return {"level_0": level_0, "drained": drained}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["reference", "forced", "forced-wrong", "live"])
+    parser.add_argument(
+        "mode", choices=["reference", "forced", "forced-wrong", "live", "k0-many", "forced-many"]
+    )
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--trace", default=None)
     parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args()
 
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
+    many = args.mode.endswith("-many")
     offload: dict[str, Any] | None = None
     if args.mode != "reference":
         offload = {"host_page_size": 64 << 10, "trace_path": args.trace}
-        if args.mode.startswith("forced"):
+        if args.mode == "k0-many":
+            offload["level_schedule"] = [[0, 0]]
+        elif args.mode == "forced-many":
+            offload["level_schedule"] = MANY_LEVELS
+        elif args.mode.startswith("forced"):
             offload["level_schedule"] = FORCED_LEVELS
         else:
             offload["policy"] = TINY_POLICY
-    kwargs = engine_kwargs(args.model, offload, kv_bytes=4 << 20)
+    kwargs = engine_kwargs(args.model, offload, kv_bytes=(96 if many else 4) << 20)
     if args.tp > 1:
         kwargs["tensor_parallel_size"] = args.tp
     if args.mode == "forced-wrong":
@@ -52,7 +94,16 @@ def main() -> None:
     llm = LLM(**kwargs)
     if args.mode == "forced-wrong":
         llm.collective_rpc("dynoff_wrong_partner")
-    if args.mode == "live":
+    if many:
+        requests = many_requests()
+        params = [
+            SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
+            for _, n in requests
+        ]
+        batch = [TokensPrompt(prompt_token_ids=ids) for ids, _ in requests]
+        done = llm.generate(batch, params, use_tqdm=False)
+        outputs = [list(o.outputs[0].token_ids) for o in done]
+    elif args.mode == "live":
         outputs = generate(llm, prompts(24, 64), 64) + generate(llm, prompts(2, 16, 5), 160)
     else:
         outputs = generate(llm, prompts(6, 40), 24)
@@ -61,6 +112,7 @@ def main() -> None:
         result["kv_outside_vmm"] = llm.collective_rpc("dynoff_kv_outside_vmm")
     if args.trace:
         result["trace"] = summarize_trace(Path(args.trace))
+        result["kv_groups"] = kv_groups(Path(args.trace))
     Path(args.out).write_text(json.dumps(result))
 
 

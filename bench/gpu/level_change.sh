@@ -6,9 +6,10 @@
 #   e.g. bash bench/gpu/level_change.sh qwen3-32b packed 8 24
 # STEP_MS (default 40, Qwen3-32B's longest decode step under this load) sizes the trace so
 # the schedule ends before it does; Qwen3-8B steps take about half as long (20).
-# Writes $OUT/level_change_<model>_<layout>_h200.json (serve_bench's result) and the server
-# log; `python -m bench.level_change FILES --out bench/results/level_change_h200.json` reports.
+# Writes $OUT/level_change_<model>_<layout>_<card>.json (serve_bench's result) and the server
+# log; `python -m bench.level_change FILES --out bench/results/level_change_<card>.json` reports.
 set -uo pipefail
+source bench/gpu/card.sh
 export PYTHONUNBUFFERED=1
 export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
 model="$1"; layout="$2"; rate="${3:-8}"; cycles="${4:-24}"; step_ms="${5:-40}"
@@ -22,8 +23,8 @@ python3 -m bench.serve_bench --system plugin --model "/tmp/site/models/$model" \
   --gpu-memory-utilization 0.62 \
   --plugin-config "{\"kv_layout\": \"$layout\", \"level_schedule\": $schedule}" \
   --trace "$trace" --point "{\"workload\": \"level_change\", \"kv_layout\": \"$layout\", \"rate\": $rate}" \
-  --out "$OUT/level_change_${model}_${layout}_h200.json" --log "$OUT/level_change_${model}_${layout}_server.log"
+  --out "$OUT/level_change_${model}_${layout}_${card}.json" --log "$OUT/level_change_${model}_${layout}_server.log"
 rc=$?
 grep -h "dynamic offload" "$OUT/level_change_${model}_${layout}_server.log" | cut -c1-300 | tail -12
-python3 -m bench.level_change "$OUT/level_change_${model}_${layout}_h200.json" --out "$OUT/level_change_report.json"
+python3 -m bench.level_change "$OUT/level_change_${model}_${layout}_${card}.json" --out "$OUT/level_change_report.json"
 exit $rc

@@ -9,16 +9,24 @@
 # the fast-link emulation of issue 22. SERVER_ARGS='--kv-offloading-size 16' (environment) adds
 # vLLM flags to the server, stock or plugin alike (the CPU KV tier issue), and LABEL names the
 # system in the files (default: SYSTEM), e.g. LABEL=plugin_kvoff.
-# SYSTEM: stock | plugin. REGIME a = gpu_memory_utilization 0.9, b = 0.62. TRACE-ARGS go to
-# bench.traces (shape first: poisson | bursty). Writes $OUT/<system>_<regime>_<workload>_<n>_h200.json
+# SYSTEM: stock | plugin. REGIME a = gpu_memory_utilization 0.9, b = 0.62, or the fraction
+# itself (e.g. 0.3: Qwen3-8B on an H100 with the KV-to-weights ratio of Qwen3-32B at 0.62 of
+# an H200, for when no H200 comes). TRACE-ARGS go to
+# bench.traces (shape first: poisson | bursty). Writes $OUT/<system>_<regime>_<workload>_<n>_<card>.json
 # per point and the server's log. The compile cache lives under /tmp/site, which survives between
 # calls on a warm machine, so a second server of the same system starts warm.
 set -uo pipefail
+source bench/gpu/card.sh
 export PYTHONUNBUFFERED=1
 export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
 system="$1"; model="$2"; regime="$3"; shift 3
 label="${LABEL:-$system}"
-case "$regime" in a) util=0.9 ;; b) util=0.62 ;; *) echo "regime must be a or b"; exit 2 ;; esac
+case "$regime" in
+  a) util=0.9 ;;
+  b) util=0.62 ;;
+  0.[0-9]*) util="$regime" ;;
+  *) echo "REGIME must be a (0.9), b (0.62) or a memory fraction such as 0.3"; exit 2 ;;
+esac
 [ "$#" -ge 1 ] || { echo "give at least one \"WORKLOAD: TRACE-ARGS\""; exit 2; }
 [ -f /tmp/dynoff-env.sh ] || bash bench/gpu/build.sh > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 source /tmp/dynoff-env.sh
@@ -31,7 +39,7 @@ for spec in "$@"; do
   # shellcheck disable=SC2086  # the trace arguments are words
   python3 -m bench.traces $args --out "$trace" || exit 2
   point=$(printf '{"regime": "%s", "workload": "%s", "trace": "%s"}' "$regime" "$workload" "$args")
-  points+=(--trace "$trace" --point "$point" --out "$OUT/${label}_${regime}_${workload}_${n}_h200.json")
+  points+=(--trace "$trace" --point "$point" --out "$OUT/${label}_${regime}_${workload}_${n}_${card}.json")
   n=$((n + 1))
 done
 extra=()

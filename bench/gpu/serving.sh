@@ -5,12 +5,13 @@
 # REGIME a = the whole H200 (gpu_memory_utilization 0.9), b = GH200-sized (0.62).
 # SYSTEM: stock | stock-piecewise | dynamic | static | prefetch (see bench/serving.py).
 set -uo pipefail
+source bench/gpu/card.sh
 export PYTHONUNBUFFERED=1
 system="$1"; model="$2"; regime="$3"; workload="$4"; rates="$5"; shift 5
 case "$regime" in a) util=0.9 ;; b) util=0.62 ;; *) echo "regime must be a or b"; exit 2 ;; esac
 [ -f /tmp/dynoff-env.sh ] || bash bench/gpu/build.sh > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 source /tmp/dynoff-env.sh
-name="serving_${model}_${regime}_${workload}_${system}_h200"
+name="serving_${model}_${regime}_${workload}_${system}_${card}"
 # shellcheck disable=SC2086  # the rates are a word list
 python3 -m bench.serving --system "$system" --model "/tmp/site/models/$model" \
   --workload "bench/workloads/$workload.json" --rates $rates --gpu-memory-utilization "$util" \

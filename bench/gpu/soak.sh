@@ -17,8 +17,7 @@ export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
 # on one the server is closing fails before the server sees it (2026-12-05's soak lost one so).
 # The soak measures level changes, not that race: the server keeps connections 75 s.
 export VLLM_HTTP_TIMEOUT_KEEP_ALIVE=75
-card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h[0-9]{3}' | tr 'H' 'h')
-card="${card:-gpu}"
+source bench/gpu/card.sh
 model="$1"; changes="${2:-1050}"; every="${3:-6}"; top="${4:-4}"; rate="${5:-8}"; step_ms="${6:-35}"
 [ -f /tmp/dynoff-env.sh ] || bash bench/gpu/build.sh > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 source /tmp/dynoff-env.sh

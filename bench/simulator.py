@@ -134,11 +134,13 @@ class ServedModel:
 
 MACHINES = {
     "h200": Machine(150.3e9, 4.8, 989.0, 55.3),
+    "h100": Machine(85.0e9, 3.35, 989.0, 55.3),  # 80 GB HBM3, PCIe Gen5
     "gh200": Machine(102.6e9, 4.0, 989.0, 392.0),  # 96 GB HBM3; NVLink-C2C as the seed measured
     "gb200": Machine(198.7e9, 8.0, 2250.0, 900.0),
 }
 MODELS = {
     "qwen3-32b": ServedModel("tests/models/qwen3-32b", 64, 32.76e9, 62.41e9, 3.11e9, 262_144, 5120),
+    "qwen3-8b": ServedModel("tests/models/qwen3-8b", 36, 8.19e9, 13.89e9, 2.49e9, 147_456, 4096),
     "llama-3.1-70b-fp8": ServedModel(
         "tests/models/llama-3.1-70b", 80, 70.55e9, 68.45e9, 4.20e9, 327_680, 8192, fp8=True
     ),

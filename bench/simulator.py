@@ -619,7 +619,9 @@ COMPARED = ("request_throughput", "median_e2el_ms", "p99_e2el_ms", "p99_ttft_ms"
 
 
 def validate(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """Predicted against measured on every held-back point, with each metric's error."""
+    """Predicted against measured on every held-back point, with each metric's error: the
+    H200's runs of ``args.system`` (its server and ours, on the same trace; the plugin's on
+    PCIe, where it held k = 0)."""
     import shlex
     import subprocess
     import sys
@@ -632,11 +634,14 @@ def validate(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "bench.traces", *shlex.split(trace_args), "--out", str(trace)]
         subprocess.run(cmd, check=True, capture_output=True)
         predicted = simulate(args, step_model_for(args, args.link_GBps), read_trace(str(trace)))
+        run_path = run_path.replace("/stock_", f"/{args.system}_")
         measured = read_results(str(ROOT / run_path))["client"]
         errors = {k: round(predicted[k] / measured[k] - 1, 4) for k in COMPARED if measured.get(k)}
         entries.append(
             {
                 "point": name,
+                "system": args.system,
+                "levels_visited": predicted["levels_visited"],
                 "trace": trace_args,
                 "measured_run": run_path,
                 "predicted": {k: predicted[k] for k in COMPARED},
@@ -771,7 +776,8 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as tmp:
             result = validate(args, Path(tmp))
-        result.update(version="first: stock vLLM on PCIe only", model=dataclasses.asdict(model))
+        version = f"the H200's held-back runs of {args.system} on PCIe (55.3 GB/s)"
+        result.update(version=version, model=dataclasses.asdict(model))
         write_results(args.out, result)
         return
     if args.predict:

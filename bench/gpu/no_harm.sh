@@ -10,8 +10,7 @@
 # vLLM flags to the server, stock or plugin alike (the CPU KV tier issue), and LABEL names the
 # system in the files (default: SYSTEM), e.g. LABEL=plugin_kvoff.
 # SYSTEM: stock | plugin. REGIME a = gpu_memory_utilization 0.9, b = 0.62, or the fraction
-# itself (e.g. 0.3: Qwen3-8B on an H100 with the KV-to-weights ratio of Qwen3-32B at 0.62 of
-# an H200, for when no H200 comes). TRACE-ARGS go to
+# itself (e.g. 0.85). TRACE-ARGS go to
 # bench.traces (shape first: poisson | bursty). Writes $OUT/<system>_<regime>_<workload>_<n>_<card>.json
 # per point and the server's log. The compile cache lives under /tmp/site, which survives between
 # calls on a warm machine, so a second server of the same system starts warm.

@@ -22,6 +22,15 @@ Serving (one file per system, same model, memory and workload):
 * ``<name>_batch.png``: step time and running ÷ step time against the running batch, coloured by
   KV utilisation (``bench.serving_report.batch_bands``): where the second stops rising, more
   KV would admit more requests without adding throughput.
+
+Simulator (``bench/results/simulator.json``; every figure a **simulation**):
+
+    python -m bench.plots simulator bench/results/simulator.json --out bench/results/plots
+
+* ``simulator_validation.png``: each held-back H200 point's error, predicted against
+  measured, per metric and system, with the fast-link issue's bounds;
+* ``simulator_predictions.png``: P99 TTFT and throughput against the offered rate, stock and
+  the plugin on each link, for Qwen3-32B's ShareGPT and long-output sweeps.
 """
 
 from __future__ import annotations
@@ -331,12 +340,95 @@ def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None
     return written
 
 
+VALIDATION_METRICS = {  # metric: (label, the fast-link issue's bound, or None)
+    "request_throughput": ("throughput", 0.10),
+    "median_e2el_ms": ("median E2E", 0.15),
+    "p99_e2el_ms": ("P99 E2E", 0.15),
+    "p99_ttft_ms": ("P99 TTFT", None),
+    "median_tpot_ms": ("median TPOT", None),
+}
+
+
+def plot_simulator_validation(result: dict[str, Any], out: Path) -> Path:
+    """One panel per metric: each point's error (predicted / measured - 1), per system."""
+    import matplotlib.pyplot as plt
+
+    entries = result["validation"]
+    points = list(dict.fromkeys(e["point"] for e in entries))
+    systems = list(dict.fromkeys(e.get("system", "stock") for e in entries))
+    fig, axes = plt.subplots(
+        1, len(VALIDATION_METRICS), figsize=(3.0 * len(VALIDATION_METRICS), 3.4)
+    )
+    width = 0.8 / len(systems)
+    for ax, (metric, (label, bound)) in zip(axes, VALIDATION_METRICS.items(), strict=True):
+        for i, system in enumerate(systems):
+            errors = {
+                e["point"]: 100 * e["error"][metric]
+                for e in entries
+                if e.get("system", "stock") == system and metric in e["error"]
+            }
+            xs = [p + (i - (len(systems) - 1) / 2) * width for p in range(len(points))]
+            ax.bar(xs, [errors.get(pt, 0.0) for pt in points], width, label=system)
+        if bound is not None:
+            for y in (-100 * bound, 100 * bound):
+                ax.axhline(y, color="k", ls="--", lw=1)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(points)), [pt.replace("_", "\n") for pt in points], fontsize=7)
+        ax.set_title(label + (f" (bound ±{bound:.0%})" if bound else ""), fontsize=9)
+    axes[0].set_ylabel("predicted / measured - 1 (%)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        "SIMULATION against held-back H200 runs (Qwen3-32B, 0.62, vllm serve, PCIe)", fontsize=10
+    )
+    fig.tight_layout()
+    path = out / "simulator_validation.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_simulator_predictions(result: dict[str, Any], out: Path) -> Path:
+    """Per workload: P99 TTFT (log) and throughput against the offered rate, per system."""
+    import matplotlib.pyplot as plt
+
+    sweeps = {
+        name: sweep
+        for name, sweep in result["predictions"].items()
+        if isinstance(sweep.get("stock"), dict) and "points" in sweep["stock"]
+    }
+    fig, axes = plt.subplots(2, len(sweeps), figsize=(5.0 * len(sweeps), 6.4), squeeze=False)
+    bound_s = result.get("predictions_ttft_bound_ms", 1000.0) / 1e3
+    for col, (name, sweep) in enumerate(sweeps.items()):
+        top, bottom = axes[0][col], axes[1][col]
+        for system, rows in sweep.items():
+            if not isinstance(rows, dict) or "points" not in rows:
+                continue
+            points = rows["points"]
+            rates = [p["rate"] for p in points]
+            label = f"{system} (max {rows['max_sustainable_rps']:g} req/s)"
+            style = "k-o" if system == "stock" else "-o"
+            top.plot(rates, [p["p99_ttft_ms"] / 1e3 for p in points], style, ms=3, label=label)
+            bottom.plot(rates, [p["request_throughput"] for p in points], style, ms=3)
+        top.axhline(bound_s, color="grey", ls="--", lw=1)
+        top.set_yscale("log")
+        top.set_title(f"SIMULATION: {name}", fontsize=9)
+        top.set_ylabel("P99 TTFT (s; dashed: the sustained bound)")
+        top.legend(fontsize=7)
+        bottom.set_xlabel("offered rate (req/s)")
+        bottom.set_ylabel("throughput (req/s)")
+    fig.tight_layout()
+    path = out / "simulator_predictions.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=["microbench", "serving"])
+    parser.add_argument("kind", choices=["microbench", "serving", "simulator"])
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--name", default="serving", help="serving: file name prefix")
@@ -345,6 +437,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.kind == "serving":
         paths = plot_serving(args.results, args.out, args.name, args.cdf_rate)
+    elif args.kind == "simulator":
+        result = read_results(args.results[0])
+        paths = [plot_simulator_validation(result, args.out)]
+        paths.append(plot_simulator_predictions(result, args.out))
     else:
         runs = _load(args.results)
         paths = [plot_h2d(runs, args.out), plot_iteration(runs, args.out)]

@@ -201,3 +201,17 @@ def test_a_resumed_request_samples_only_once_it_is_recomputed() -> None:
     assert not samples(request)
     request.num_computed_tokens = 13
     assert samples(request)
+
+
+def test_the_committed_simulation_plots(tmp_path: Path) -> None:
+    """``bench.plots simulator`` draws the committed results: every held-back point of both
+    systems, and each Qwen3-32B sweep with stock and the plugin on every link."""
+    from bench.common import read_results
+    from bench.plots import plot_simulator_predictions, plot_simulator_validation
+
+    result = read_results(ROOT / "bench/results/simulator.json")
+    assert {e["system"] for e in result["validation"]} == {"stock", "plugin"}
+    paths = [plot_simulator_validation(result, tmp_path)]
+    paths.append(plot_simulator_predictions(result, tmp_path))
+    assert [p.name for p in paths] == ["simulator_validation.png", "simulator_predictions.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)

@@ -26,6 +26,10 @@ TINY_POLICY = {
     "low_threshold": 0.3,
     "audit_window_steps": 20,
     "audit_settle_steps": 2,
+    # The tiny model's copies cost a fraction of a millisecond a step, so a calm level may
+    # take hundreds of steps to pay for its round trip (and on a busy machine, where the
+    # measured stalls grow, never within a short tail): leave it after at most 24 calm steps.
+    "max_calm_steps": 24,
 }
 
 WORKER = "dynoff.compile_pass.cpu_worker.CPUDynamicOffloadWorker"

@@ -21,16 +21,15 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from bench.tiny_checkpoint import make_checkpoint
+from tests.procs import run_checked
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +45,7 @@ def run_engine(mode: str, model: str, tmp: Path, tp: int = 1) -> dict:
     env = dict(os.environ)
     if tp > 1:  # vLLM's CPU engine binds each rank's threads to its own core
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, sorted(os.sched_getaffinity(0))[:tp]))
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_checked(cmd, tmp / f"{mode}-tp{tp}.log", env=env)
     return json.loads(out.read_text())
 
 

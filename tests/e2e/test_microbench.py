@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import run_checked
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
 
@@ -24,8 +26,7 @@ def test_microbench_sweeps_levels_and_plots(tmp_path: Path) -> None:
     cmd += ["--prefill-prompts", "2", "--mixed-prompts", "2", "--out", str(out)]
     cmd += ["--profile-level", "2"]
     cmd += ["--workdir", str(tmp_path / "work")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_checked(cmd, tmp_path / "microbench.log")
     results = json.loads(out.read_text())
     levels = results["levels"]
     assert set(levels) == {"0", "0p", "1", "2", "4"}

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import run_checked
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
 
@@ -30,8 +32,7 @@ def test_serving_driver_measures_two_rates_and_plots(tmp_path: Path, sweep: str)
         cmd += ["--staircase", "--step-warmup", "2"]
         # and the model estimator, fitted to the engine's real step shapes as it serves
         cmd += ["--policy", json.dumps({"estimator": "model", "proxy": "model"})]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_checked(cmd, tmp_path / "serving.log")
     results = json.loads(out.read_text())
     assert [r["target_rate"] for r in results["rates"]] == [1.0, 3.0]
     assert results["settings"]["staircase"] == (sweep == "staircase")

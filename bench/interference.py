@@ -8,7 +8,11 @@ from a device home (the emulation: device-to-device copy-engine copies, paced by
 
 Per step kind (``decode``: ``--decode-tokens`` tokens, ``prefill``: ``--prefill-tokens``) and
 copy source it reports the step's median time and its slowdown against the step alone, and
-the bandwidth the copies reached meanwhile. Besides what is timed, what the emulation costs
+the bandwidth the copies reached meanwhile. The paced copies first run one at a time beside
+the step, so that the pacer's feedback (:class:`~dynoff.compile_pass.homes.Pacer`) learns
+what the step's kernels cost its spins; ``pacer_achieved_GBps_after_feedback`` is what it
+reached then (the H100's first run, before the feedback existed, had the paced copies at
+280-285 GB/s of 390 beside a step). Besides what is timed, what the emulation costs
 by construction: a device-to-device copy reads the home and writes the region, two bytes of
 HBM traffic per byte moved where a host copy writes one; and the pacing spins occupy one SM
 (one thread block of ``torch.cuda._sleep``) of the GPU's ``multi_processor_count`` while they
@@ -92,6 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     step_ms: dict[str, dict[str, list[float]]] = {}
     copies: dict[str, dict[str, dict[str, float]]] = {}
+    learned: dict[str, float] = {}  # the pacer's moving average after learning each load
     for kind in KINDS:
         tokens = args.decode_tokens if kind == "decode" else args.prefill_tokens
         x = torch.randn(1, tokens, args.dim, dtype=torch.bfloat16, device="cuda")
@@ -112,6 +117,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with torch.cuda.stream(side):
                 copy(source)  # warm-up (and the pacer's plan)
             side.synchronize()
+            if source == "device_paced":  # the pacer's feedback learns this step's load:
+                for _ in range(args.pace_warmup):  # one copy at a time beside queued steps
+                    step()
+                    step()
+                    with torch.cuda.stream(side):
+                        copy(source)
+                    side.synchronize()
+                torch.cuda.synchronize()
+                pacer.copy(region, home)  # feeds back the last one
+                torch.cuda.synchronize()
+                learned[kind] = round(pacer.achieved_GBps or 0.0, 1)
             one_ms = _copy_ms(functools.partial(copy, source), side)
             count = max(1, int(args.steps * alone_ms * 1.5 / max(one_ms, 1e-3)) + 1)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -134,6 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_tokens": args.prefill_tokens,
         "home_GBps_target": args.home_GBps,
         "pacer": pacer.describe(),
+        "pacer_achieved_GBps_after_feedback": learned,
         "steps": summarize(step_ms, copies),
         "by_construction": {
             "hbm_bytes_per_byte_moved": {"host_pcie": 1, "device_paced": 2, "device_unpaced": 2},
@@ -163,6 +180,14 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--pace-warmup",
+        type=int,
+        default=24,
+        help="paced copies, one at a time beside queued steps, before the timed ones: the "
+        "pacer's feedback learns the step's load (the timed copies are queued at once and "
+        "run on what it learned)",
+    )
     parser.add_argument("--home-GBps", type=float, default=390.0)
     args = parser.parse_args()
     result = run(args)

@@ -18,6 +18,7 @@ A peer GPU's memory over NVLink would be a third home: a device home on another 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -56,17 +57,37 @@ class PacePlan:
         unpaced copy at ``raw_GBps``; no spin when the target is not below the raw speed."""
         if target_GBps <= 0 or raw_GBps <= 0 or cycles_per_ns <= 0:
             raise ValueError("pacing needs positive bandwidths and clock")
+        spare_ns = max(0.0, nbytes / target_GBps - nbytes / raw_GBps)  # bytes / (GB/s) = ns
+        return cls.spread(nbytes, spare_ns, cycles_per_ns, chunks)
+
+    @classmethod
+    def spread(
+        cls, nbytes: int, spare_ns: float, cycles_per_ns: float, chunks: int = 32
+    ) -> PacePlan:
+        """``spare_ns`` of spinning spread evenly after the chunks of an ``nbytes`` copy."""
         chunk = -(-nbytes // chunks)
         chunk = -(-chunk // ALIGN) * ALIGN
         count = -(-nbytes // chunk)
-        spare_ns = max(0.0, nbytes / target_GBps - nbytes / raw_GBps)  # bytes / (GB/s) = ns
-        return cls(chunk, count, math.ceil(spare_ns / count * cycles_per_ns))
+        return cls(chunk, count, math.ceil(max(0.0, spare_ns) / count * cycles_per_ns))
 
 
 class Pacer:
     """Copies at a target bandwidth on the current stream (CUDA only): chunked copies with
     ``torch.cuda._sleep`` spins between them, planned from a measured unpaced copy and the
-    measured clock (:meth:`calibrate`)."""
+    measured clock (:meth:`calibrate`), then held to the target by feedback.
+
+    An open-loop plan is right only on an idle GPU: while a step's kernels fill every SM,
+    each spin (a kernel of one thread block) waits for an SM before it starts, and the
+    copies fell 27% short of 390 GB/s beside a decode or prefill step on the H100
+    (``bench/results/interference_h100.json``), as a slower link would. So each paced copy
+    is timed with two CUDA events, and once a copy has finished its duration corrects the
+    spin time of the next copies of that size (:meth:`observe`): spinning less when
+    the spins were delayed, more when the copies ran fast, never below none. Where even
+    unpaced copies cannot reach the target beside the compute, the spin goes to zero and
+    :attr:`achieved_GBps` says what the emulated link delivered."""
+
+    GAIN = 0.5  # the share of a copy's timing error corrected at the next copy
+    SMOOTHING = 0.1  # weight of the newest copy in :attr:`achieved_GBps`
 
     def __init__(self, target_GBps: float) -> None:
         if target_GBps <= 0:
@@ -74,7 +95,10 @@ class Pacer:
         self.target_GBps = target_GBps
         self.raw_GBps = 0.0
         self.cycles_per_ns = 0.0
+        self.achieved_GBps: float | None = None  # moving average of the timed copies
+        self._spare_ns: dict[int, float] = {}  # per copy size: spin time after its chunks
         self._plans: dict[int, PacePlan] = {}
+        self._timed: collections.deque[tuple[int, Any, Any]] = collections.deque()
 
     def calibrate(self, sample: torch.Tensor) -> None:
         """Measure the unpaced device copy of ``sample`` (as the start-up calibration times
@@ -86,22 +110,57 @@ class Pacer:
         self.cycles_per_ns = spin_clock()
         del scratch
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        nbytes = src.numel()
+    def plan(self, nbytes: int) -> PacePlan:
         plan = self._plans.get(nbytes)
         if plan is None:
-            plan = PacePlan.for_copy(nbytes, self.target_GBps, self.raw_GBps, self.cycles_per_ns)
+            spare = self._spare_ns.get(nbytes)
+            if spare is None:
+                plan = PacePlan.for_copy(
+                    nbytes, self.target_GBps, self.raw_GBps, self.cycles_per_ns
+                )
+                self._spare_ns[nbytes] = plan.spin_cycles * plan.chunks / self.cycles_per_ns
+            else:
+                plan = PacePlan.spread(nbytes, spare, self.cycles_per_ns)
             self._plans[nbytes] = plan
+        return plan
+
+    def observe(self, nbytes: int, elapsed_ns: float) -> None:
+        """A paced copy of ``nbytes`` took ``elapsed_ns`` on the device: correct the spin
+        time of the next copies of that size by :attr:`GAIN` of the error."""
+        if elapsed_ns <= 0:
+            return
+        self.plan(nbytes)  # the size's starting spin time, if none yet
+        error_ns = nbytes / self.target_GBps - elapsed_ns
+        self._spare_ns[nbytes] = max(0.0, self._spare_ns[nbytes] + self.GAIN * error_ns)
+        self._plans.pop(nbytes, None)
+        achieved = nbytes / elapsed_ns
+        old = self.achieved_GBps
+        self.achieved_GBps = achieved if old is None else old + self.SMOOTHING * (achieved - old)
+
+    def _settle(self) -> None:
+        """Feed back every timed copy that has finished (non-blocking, in order)."""
+        while self._timed and self._timed[0][2].query():
+            nbytes, start, end = self._timed.popleft()
+            self.observe(nbytes, start.elapsed_time(end) * 1e6)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._settle()
+        nbytes = src.numel()
+        plan = self.plan(nbytes)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         for offset in range(0, nbytes, plan.chunk_bytes):
-            end = min(nbytes, offset + plan.chunk_bytes)
-            dst[offset:end].copy_(src[offset:end], non_blocking=True)
+            stop = min(nbytes, offset + plan.chunk_bytes)
+            dst[offset:stop].copy_(src[offset:stop], non_blocking=True)
             if plan.spin_cycles:
                 torch.cuda._sleep(plan.spin_cycles)
+        end.record()
+        self._timed.append((nbytes, start, end))
 
     def describe(self) -> str:
         return (
             f"paced to {self.target_GBps:.0f} GB/s (unpaced device copy {self.raw_GBps:.0f} "
-            f"GB/s, clock {self.cycles_per_ns:.2f} cycles/ns)"
+            f"GB/s, clock {self.cycles_per_ns:.2f} cycles/ns; held there by feedback)"
         )
 
 

@@ -53,8 +53,10 @@ def test_combine_names_repeats_and_compares_them(tmp_path: Path) -> None:
 
 def test_one_graph_mode_pairs_and_committed_gzip_outputs(tmp_path: Path) -> None:
     """A report committed with its outputs gzip-compressed combines with a later call's;
-    the piecewise pair (forced-pw against stock-pw) and its negative control are reported
-    apart from the default graph mode's pair."""
+    the piecewise pair (forced-pw against the plugin held at 0, k0-pw: the same graphs) and
+    its negative control are reported apart from the default graph mode's pair, and stock's
+    own piecewise engine (stock-pw, split at attention only) measures vLLM's graph modes,
+    not the plugin."""
     import gzip
 
     same, other = [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]
@@ -65,12 +67,18 @@ def test_one_graph_mode_pairs_and_committed_gzip_outputs(tmp_path: Path) -> None
     second = call(
         tmp_path,
         "b",
-        {"stock-pw": {}, "forced-pw": {}, "forced-wrong-pw": {}},
-        {"stock-pw": other, "forced-pw": other, "forced-wrong-pw": same},
+        {"stock-pw": {}, "k0-pw": {}, "forced-pw": {}, "forced-wrong-pw": {}},
+        {"stock-pw": same, "k0-pw": other, "forced-pw": other, "forced-wrong-pw": same},
     )
     report = combine([first, second])
     assert report["token_identical"] is False
     assert report["token_identical_piecewise"] is True
     assert report["negative_control_piecewise_detected"] is True
-    assert report["identity"]["forced-pw_vs_stock-pw"]["identical"] is True
-    assert report["identity"]["stock-pw_vs_stock"]["requests_differing"] == 1
+    identity = report["identity"]
+    assert identity["forced-pw_vs_k0-pw"]["identical"] is True
+    assert identity["forced-wrong-pw_vs_k0-pw"]["requests_differing"] == 1
+    assert identity["stock-pw_vs_stock"]["identical"] is True
+    assert identity["forced-pw_vs_stock-pw"]["requests_differing"] == 1
+    # Without k0-pw the piecewise pair is not judged at all (stock-pw is no yardstick).
+    third = call(tmp_path, "c", {"forced-pw": {}}, {"forced-pw": other})
+    assert "token_identical_piecewise" not in combine([first, third])

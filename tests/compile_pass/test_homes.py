@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynoff.compile_pass.homes import HomeError, PacePlan, check_device_home
+from dynoff.compile_pass.homes import HomeError, PacePlan, Pacer, check_device_home
 from dynoff.policy.config import DynamicOffloadConfig
 
 GIB = 1 << 30
@@ -21,6 +21,56 @@ def test_a_paced_copy_takes_the_target_bandwidths_time() -> None:
     assert abs((copy_ns + spin_ns) - nbytes / target) / (nbytes / target) < 1e-3
     # A target at or above the device's own speed is not slowed down.
     assert PacePlan.for_copy(nbytes, 3000.0, raw, clock).spin_cycles == 0
+
+
+def busy_gpu(pacer: Pacer, nbytes: int, copy_GBps: float, spin_delay_ns: float) -> float:
+    """How long the pacer's plan for ``nbytes`` takes on a GPU whose kernels fill every SM
+    (a model of the device, for the feedback loop): the chunks copy at ``copy_GBps``, and
+    each spin waits ``spin_delay_ns`` for an SM before it starts."""
+    plan = pacer.plan(nbytes)
+    spins = plan.chunks if plan.spin_cycles else 0
+    return (
+        nbytes / copy_GBps
+        + plan.chunks * plan.spin_cycles / pacer.cycles_per_ns
+        + (spins * spin_delay_ns)
+    )
+
+
+def feedback(copy_GBps: float, spin_delay_ns: float, copies: int = 30) -> Pacer:
+    pacer = Pacer(390.0)
+    pacer.raw_GBps, pacer.cycles_per_ns = 1480.0, 1.99  # the H100's, idle
+    nbytes = 486_555_648  # one toy layer (bench.interference)
+    for _ in range(copies):
+        pacer.observe(nbytes, busy_gpu(pacer, nbytes, copy_GBps, spin_delay_ns))
+    return pacer
+
+
+def test_paced_copies_are_held_to_the_target_when_the_spins_are_delayed() -> None:
+    """Open loop, spins delayed 25 us each behind a step's kernels make a 390 GB/s plan
+    deliver ~285 GB/s (as the H100 did beside a decode step); the feedback brings it back."""
+    nbytes = 486_555_648
+    open_loop = Pacer(390.0)
+    open_loop.raw_GBps, open_loop.cycles_per_ns = 1480.0, 1.99
+    slow = nbytes / busy_gpu(open_loop, nbytes, 1480.0, 25_000)
+    assert slow < 0.8 * 390
+    pacer = feedback(1480.0, 25_000)
+    assert pacer.achieved_GBps is not None
+    last = nbytes / busy_gpu(pacer, nbytes, 1480.0, 25_000)
+    assert abs(last - 390) / 390 < 0.01, last
+
+
+def test_paced_copies_spin_more_when_the_device_copies_faster_than_calibrated() -> None:
+    pacer = feedback(2500.0, 0.0)
+    nbytes = 486_555_648
+    assert abs(nbytes / busy_gpu(pacer, nbytes, 2500.0, 0.0) - 390) / 390 < 0.01
+
+
+def test_an_unreachable_target_leaves_the_copies_unpaced_and_says_what_they_reached() -> None:
+    """Beside compute that leaves the copies 300 GB/s, no spin can help: none is left, and
+    the achieved bandwidth reports the emulated link's real speed."""
+    pacer = feedback(300.0, 25_000, copies=60)
+    assert pacer.plan(486_555_648).spin_cycles == 0
+    assert pacer.achieved_GBps is not None and abs(pacer.achieved_GBps - 300) < 3
 
 
 def test_the_home_is_chosen_in_the_config_and_checked_with_the_fix() -> None:

@@ -22,7 +22,9 @@ sustained (no failed request, and the server's waiting queue did not grow over t
 ``bench.serving``'s rule, its slope below 2% of the offered rate), ``max_sustainable_rps``
 (the highest achieved rate among the sustained ones) and ``knee`` (how the sweep passed its
 knee, or None: a lower bound only). For the plugin: ``link_GBps_target``, the calibration's
-``link_GBps_achieved`` and ``levels_visited``. Per workload and link, the ratios
+``link_GBps_achieved`` (on an idle GPU, at start-up), ``link_GBps_achieved_serving`` (the
+pacer's reports while serving, beside the steps' kernels; the lowest run's median) and
+``levels_visited``. Per workload and link, the ratios
 ``dynamic_over_stock`` and ``dynamic_over_best_static``, and ``ceiling_over_stock``.
 """
 
@@ -128,6 +130,10 @@ def _system_summary(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["link"] = link
         out["link_GBps_target"] = target
         out["link_GBps_achieved"] = round(min(achieved), 2) if achieved else None
+        serving = [
+            float(v) for r in runs if (v := (r.get("plugin") or {}).get("link_GBps_serving"))
+        ]
+        out["link_GBps_achieved_serving"] = round(min(serving), 1) if serving else None
         out["emulation"] = config.get("home") == "device"
         out["levels_visited"] = sorted({lv for r in rows for lv in r.get("levels_visited", [])})
         out["timelines"] = {

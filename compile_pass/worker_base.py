@@ -66,6 +66,7 @@ from dynoff.policy.messages import (
 
 logger = init_logger("vllm.dynoff.worker")
 T = TypeVar("T")
+LINK_REPORT_STEPS = 128  # steps between reports of the emulated link's serving bandwidth
 
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -538,6 +539,7 @@ class DynamicOffloadMixin:
             state.last_command,
             state.placement.level,
             timed.context_tokens,
+            self._link_GBps(),
         )
         state.calibration = None
         state.plans = ()
@@ -545,6 +547,14 @@ class DynamicOffloadMixin:
             hacks.chain_async_output(output, lambda inner: with_report(inner, report))
             return output
         return with_report(output, report)
+
+    def _link_GBps(self) -> float | None:
+        """The emulated link's bandwidth while serving, every ``LINK_REPORT_STEPS`` steps
+        (a paced device home only)."""
+        pacer = self._dynoff.engine.pacer
+        if pacer is None or self._dynoff.step % LINK_REPORT_STEPS:
+            return None
+        return pacer.achieved_GBps
 
     # -- benchmarks (``LLM.collective_rpc``) -----------------------------------------------------
     def dynoff_stats(self, reset: bool = True) -> dict[str, Any]:

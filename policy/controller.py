@@ -314,6 +314,8 @@ class OffloadController:
             self.trace.event(
                 "restore_wait", step=report.step, wait_ms=round(report.restore_wait_ms, 3)
             )
+        if report.link_GBps is not None:  # the fast-link emulation, as it served
+            self.trace.event("link", step=report.step, GBps=round(report.link_GBps, 1))
 
     # -- decisions ----------------------------------------------------------------------------
     def _maybe_move(

@@ -143,6 +143,9 @@ class StepReport:
             of a change down that the change's own ``stall_ms`` does not see.
         num_context_tokens: the KV the step's decode requests read, in tokens (their
             computed tokens before the step).
+        link_GBps: with a paced device home (the fast-link emulation), the bandwidth its
+            copies reached lately while serving (:attr:`~dynoff.compile_pass.homes.Pacer.
+            achieved_GBps`), every ``LINK_REPORT_STEPS`` steps; None otherwise.
     """
 
     step: int
@@ -157,6 +160,7 @@ class StepReport:
     last_command: int = -1
     level_now: int = 0
     num_context_tokens: int = 0
+    link_GBps: float | None = None
 
     @property
     def timed(self) -> bool:

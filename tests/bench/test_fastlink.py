@@ -36,6 +36,8 @@ def record(
             "level_changes": 2,
             "calibration": calibration,
             "level_timeline": [[0.0, 0], [12.5, 4], [50.0, 0]],
+            # the pacer's reports while serving (device home only), lower at a higher rate
+            "link_GBps_serving": 400.0 - rate if config.get("home") == "device" else None,
         }
     # The waiting queue, sampled every second: flat, or growing by a request a second.
     samples = [{"t": float(t), "waiting": float(t if grows else t % 2)} for t in range(SECONDS)]
@@ -94,6 +96,8 @@ def test_systems_knees_and_ratios_per_link(tmp_path: Path) -> None:
     fast = systems["dynamic@390GBps"]
     assert fast["max_sustainable_rps"] == 13.7 and fast["emulation"] is True
     assert fast["link_GBps_target"] == 390 and fast["link_GBps_achieved"] == 371.5
+    assert fast["link_GBps_achieved_serving"] == 384.0  # the lowest of its runs' medians
+    assert systems["dynamic@host"]["link_GBps_achieved_serving"] is None
     assert fast["levels_visited"] == [0, 4] and fast["timelines"]["14.0"][1] == [12.5, 4]
     assert systems["static_k8@390GBps"]["max_sustainable_rps"] is None  # a failed request
     assert systems["dynamic@host"]["emulation"] is False

@@ -353,3 +353,24 @@ def test_a_restore_wait_reported_with_its_lowering_is_counted_in_that_lowerings_
     assert [(r["from"], r["to"]) for r in rows] == [(0, 1), (1, 0)]
     assert rows[1]["restore_wait_ms"] == 6.5
     assert rows[1]["stall_ms"] == 2.5 + 6.5  # the ack's remap 9.0 - sync 6.5, and the wait
+
+
+def test_the_emulated_links_serving_bandwidth_reaches_the_trace_and_the_run_summary(
+    tmp_path,
+) -> None:
+    """A paced device home reports what its copies reached while serving; the controller
+    writes it to the trace, and a serving run's summary gives its median (the fast-link
+    report's ``link_GBps_achieved_serving``)."""
+    from bench.serve_bench import plugin_summary
+
+    ctl, _ = controller(tmp_path, schedule=[(1, 0)])
+    for step, gbps in ((128, 371.0), (256, 385.5), (384, 388.0)):
+        ctl.on_schedule_start(step, 0, 0)
+        ctl.on_report(StepReport(step, 0, 0.0, link_GBps=gbps))
+    ctl.on_report(StepReport(400, 0, 0.0))  # most reports carry none
+    ctl.trace.close()
+    trace = tmp_path / "trace.jsonl"
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    links = [e for e in events if e.get("event") == "link"]
+    assert [(e["step"], e["GBps"]) for e in links] == [(128, 371.0), (256, 385.5), (384, 388.0)]
+    assert plugin_summary(trace)["link_GBps_serving"] == 385.5

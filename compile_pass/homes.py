@@ -98,7 +98,7 @@ class Pacer:
         self.achieved_GBps: float | None = None  # moving average of the timed copies
         self._spare_ns: dict[int, float] = {}  # per copy size: spin time after its chunks
         self._plans: dict[int, PacePlan] = {}
-        self._timed: collections.deque[tuple[int, Any, Any]] = collections.deque()
+        self._timed: collections.deque[tuple[int, float, Any, Any]] = collections.deque()
 
     def calibrate(self, sample: torch.Tensor) -> None:
         """Measure the unpaced device copy of ``sample`` (as the start-up calibration times
@@ -124,14 +124,26 @@ class Pacer:
             self._plans[nbytes] = plan
         return plan
 
-    def observe(self, nbytes: int, elapsed_ns: float) -> None:
-        """A paced copy of ``nbytes`` took ``elapsed_ns`` on the device: correct the spin
-        time of the next copies of that size by :attr:`GAIN` of the error."""
+    def spare_ns(self, nbytes: int) -> float:
+        """The spin time the next copy of ``nbytes`` spreads over its chunks."""
+        self.plan(nbytes)
+        return self._spare_ns[nbytes]
+
+    def observe(self, nbytes: int, elapsed_ns: float, spare_ns: float | None = None) -> None:
+        """A paced copy of ``nbytes`` that spun ``spare_ns`` (the plan it was issued with;
+        None: the current one) took ``elapsed_ns`` on the device: the next copies of that
+        size spin that copy's spin time plus :attr:`GAIN` of its timing error.
+
+        Correcting the spin the measured copy used, not the current one, keeps the loop
+        stable however many copies are in flight when a measurement lands: a step queues
+        two copies per level before the first of them finishes, and an update that summed
+        each late measurement's error into the current spin would overshoot by all of them.
+        """
         if elapsed_ns <= 0:
             return
-        self.plan(nbytes)  # the size's starting spin time, if none yet
+        used = self.spare_ns(nbytes) if spare_ns is None else spare_ns
         error_ns = nbytes / self.target_GBps - elapsed_ns
-        self._spare_ns[nbytes] = max(0.0, self._spare_ns[nbytes] + self.GAIN * error_ns)
+        self._spare_ns[nbytes] = max(0.0, used + self.GAIN * error_ns)
         self._plans.pop(nbytes, None)
         achieved = nbytes / elapsed_ns
         old = self.achieved_GBps
@@ -139,14 +151,15 @@ class Pacer:
 
     def _settle(self) -> None:
         """Feed back every timed copy that has finished (non-blocking, in order)."""
-        while self._timed and self._timed[0][2].query():
-            nbytes, start, end = self._timed.popleft()
-            self.observe(nbytes, start.elapsed_time(end) * 1e6)
+        while self._timed and self._timed[0][3].query():
+            nbytes, used, start, end = self._timed.popleft()
+            self.observe(nbytes, start.elapsed_time(end) * 1e6, used)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._settle()
         nbytes = src.numel()
         plan = self.plan(nbytes)
+        used = self._spare_ns[nbytes]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for offset in range(0, nbytes, plan.chunk_bytes):
@@ -155,7 +168,7 @@ class Pacer:
             if plan.spin_cycles:
                 torch.cuda._sleep(plan.spin_cycles)
         end.record()
-        self._timed.append((nbytes, start, end))
+        self._timed.append((nbytes, used, start, end))
 
     def describe(self) -> str:
         return (

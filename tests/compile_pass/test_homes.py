@@ -73,6 +73,30 @@ def test_an_unreachable_target_leaves_the_copies_unpaced_and_says_what_they_reac
     assert pacer.achieved_GBps is not None and abs(pacer.achieved_GBps - 300) < 3
 
 
+def test_the_feedback_settles_with_a_steps_copies_in_flight() -> None:
+    """A step queues two copies per level before the first of them finishes, so each
+    measurement lands up to 36 copies late (level 18). Corrected from the spin the measured
+    copy used, the loop settles on the target; summed into the current spin it would
+    overshoot by every copy in flight and swing."""
+    nbytes, in_flight = 486_555_648, 36
+    pacer = Pacer(390.0)
+    pacer.raw_GBps, pacer.cycles_per_ns = 1480.0, 1.99
+    queued: list[tuple[float, float]] = []  # (spin used, elapsed) of copies not yet seen
+    rates = []
+    for _ in range(400):
+        used = pacer.spare_ns(nbytes)
+        elapsed = busy_gpu(pacer, nbytes, 1480.0, 25_000)
+        queued.append((used, elapsed))
+        rates.append(nbytes / elapsed)
+        if len(queued) > in_flight:
+            used, elapsed = queued.pop(0)
+            pacer.observe(nbytes, elapsed, used)
+    assert all(abs(r - 390) / 390 < 0.01 for r in rates[-100:]), (
+        min(rates[-100:]),
+        max(rates[-100:]),
+    )
+
+
 def test_the_home_is_chosen_in_the_config_and_checked_with_the_fix() -> None:
     assert DynamicOffloadConfig().home == "host"
     device = DynamicOffloadConfig.from_dict(

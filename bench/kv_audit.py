@@ -169,7 +169,7 @@ class Worker:
                 extra = [victim] if victim in kv.backed and victim not in groups else []
                 unmap([*groups, *extra], synchronize)
 
-            kv.unmap_groups = unmap_more  # type: ignore[method-assign]
+            kv.unmap_groups = unmap_more
         elif fault == "stray-copy":
             restore = engine.restore
 
@@ -179,7 +179,7 @@ class Worker:
                 start = live_block() * self.geometry.block_bytes // page * page
                 kv_bytes[start : start + page].copy_(engine.sources[layer][:page])
 
-            engine.restore = restore_astray  # type: ignore[method-assign]
+            engine.restore = restore_astray
         elif fault != "none":
             raise ValueError(f"unknown fault {fault!r}")
 
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         scheduler.add_request(request)
 
     violations: list[str] = []
-    counts = collections.Counter()
+    counts: collections.Counter[str] = collections.Counter()
     levels = [0]
 
     def note(what: str) -> None:

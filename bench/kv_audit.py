@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
 
     from bench.gpu.e2e_correctness import forced_schedule, workload
     from dynoff.policy.messages import RUNNER_OUTPUT_ATTR, SCHEDULER_OUTPUT_ATTR, StepReport
@@ -266,9 +266,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         counts["checks"] += 1
         for req_id, request in scheduler.requests.items():
             n = written.get(req_id, 0)
-            if n == 0 or request.is_finished():
-                continue
+            if n == 0 or request.status != RequestStatus.RUNNING:
+                continue  # a preempted request's KV is gone; it recomputes what it needs
             blocks = block_ids(req_id)[: -(-n // BLOCK_SIZE)]
+            if len(blocks) * BLOCK_SIZE < n:
+                note(f"{when}: {req_id} holds {len(blocks)} blocks for {n} tokens of KV")
+                continue
             lost = [b for b in blocks if not worker.mapped(b)]
             if lost:
                 note(f"{when}: {req_id} has blocks {lost[:4]} on unmapped groups")
@@ -303,9 +306,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for what in worker.forward():
             note(f"step {counts['steps'] + 1}: {what}")
         for req_id, num in out.num_scheduled_tokens.items():
-            # num_computed_tokens already counts this step's tokens (vLLM advances it in
-            # schedule()); with a step in flight it may count the next one's too.
-            start = written[req_id]
+            # The step's first position, as vLLM has it: num_computed_tokens already counts
+            # this step's tokens (schedule() advances it). It must follow what the earlier
+            # steps wrote, or start over (a preempted request recomputes its KV).
+            start = scheduler.requests[req_id].num_computed_tokens - num
+            if start != written[req_id]:
+                counts["restarts" if start < written[req_id] else "gaps"] += 1
+                if start > written[req_id]:
+                    note(f"{req_id} scheduled from position {start}, {written[req_id]} written")
+                written[req_id] = min(written[req_id], start)
             blocks = block_ids(req_id)
             positions = torch.arange(start, start + num)
             where = [blocks[p // BLOCK_SIZE] for p in range(start, start + num)]
@@ -377,6 +386,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "level_schedule": schedule,
         "levels_visited": levels,
         **{k: counts[k] for k in ("steps", "level_changes", "checks", "tokens_written")},
+        "restarts": counts["restarts"],  # preempted requests recomputing their KV
         "tokens_checked": counts["tokens_checked"],
         "violations": counts["violations"],
         "first_violations": violations,

@@ -14,13 +14,15 @@ from bench.kv_audit import ROOT, run
 pytestmark = pytest.mark.slow
 
 
-def audit(fault: str = "none", batch_queue: int = 2) -> dict:
+def audit(
+    fault: str = "none", batch_queue: int = 2, requests: int = 32, kv_blocks: int = 2048
+) -> dict:
     args = argparse.Namespace(
         model=str(ROOT / "tests/models/qwen3-8b"),
-        requests=32,
+        requests=requests,
         seed=0,
         layers=36,
-        kv_blocks=2048,
+        kv_blocks=kv_blocks,
         max_level=4,
         schedule=None,
         max_num_seqs=256,
@@ -42,6 +44,16 @@ def test_no_live_kv_and_no_weights_change_through_the_level_changes(batch_queue:
     assert result["tokens_written"] == 12_943
     assert result["tokens_checked"] > 10 * result["tokens_written"]
     assert result["group_blocks"] == 64  # the H100's packed geometry, scaled down
+
+
+def test_preempted_requests_recompute_and_no_live_kv_changes_while_kv_starved() -> None:
+    """192 blocks for 48 requests: vLLM preempts (a preempted request's KV is gone and it
+    recomputes it, from its own cached prefix blocks where they survived), the lowerings'
+    drains wait for blocks under pressure, and still no live KV or weight changes."""
+    result = audit(requests=48, kv_blocks=192)
+    assert result["violations"] == 0, result["first_violations"]
+    assert result["restarts"] > 0
+    assert result["level_changes"] >= 2 and result["levels_visited"][-1] < 4
 
 
 @pytest.mark.parametrize(

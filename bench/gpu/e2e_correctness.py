@@ -16,13 +16,12 @@ differ from stock, or the identity check could not see a wrong layer). ``k0-pw``
 ``cudagraph_mode=PIECEWISE``. ``forced`` runs its k > 0 steps piecewise and its k = 0 steps
 on FULL graphs, and the two graph modes need not agree to the last bit: on the H100, with
 distinct weights, ``forced`` left 3 of 256 requests 30-50 steps after its last level change.
-On one graph mode, with the same graphs (the plugin's: the ops split every layer) and the
-same level changes and page unmaps, ``forced-pw`` must give ``k0-pw``'s tokens exactly: a
-lost KV page or a wrong layer would show there. ``stock-pw`` is no yardstick for it: stock's
-piecewise graphs are split at attention only, and on the H100 (2026-12-06) they moved 239 of
-256 requests away from stock's default graph mode, from the first tokens, while every plugin
-engine (``k0``, ``forced``, ``forced-pw``) stayed within 4 of 256 of stock; it measures
-vLLM's own graph modes. Every engine sees the
+On one graph mode, with the same graphs and the same batches, ``forced-pw`` must give
+``k0-pw``'s tokens exactly: a lost KV page or a wrong layer would show there. ``stock-pw``
+is no yardstick for it: on the H100 (2026-12-06) stock's piecewise mode moved 239 of 256
+requests away from stock's default graph mode, from the first tokens, while every plugin
+engine (``k0``, ``forced``, ``forced-pw``) stayed within 4 of 256 of stock (why is not
+known); it measures vLLM's own graph modes. Every engine sees the
 same first batch on a cold prefix cache; KV capacity is ample at every level, so all engines
 schedule the same batches. It reports token identity between them, the k = 0 throughput
 ratio (best of ``--repeats`` batches, distinct prompts each, after a warm-up) and the decode

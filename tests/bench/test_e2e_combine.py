@@ -55,8 +55,7 @@ def test_one_graph_mode_pairs_and_committed_gzip_outputs(tmp_path: Path) -> None
     """A report committed with its outputs gzip-compressed combines with a later call's;
     the piecewise pair (forced-pw against the plugin held at 0, k0-pw: the same graphs) and
     its negative control are reported apart from the default graph mode's pair, and stock's
-    own piecewise engine (stock-pw, split at attention only) measures vLLM's graph modes,
-    not the plugin."""
+    own piecewise engine (stock-pw) measures vLLM's graph modes, not the plugin."""
     import gzip
 
     same, other = [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]

@@ -15,9 +15,9 @@ partner's weights (the negative control: it must differ). With the default graph
 forced engine runs k = 0 on FULL graphs and k > 0 piecewise, and the two modes need not
 agree to the last bit: on the H100 (2026-12-05) it left 3 of 256 requests at positions
 204-213, and all piecewise (2026-12-06) the same three at the same positions and one more;
-that pair against stock is reported, not asserted. Stock's own piecewise graphs (split at
-attention only, not at the layer boundaries) are no yardstick: they moved 239 of 256
-requests from stock's default mode. The k = 0 throughput ratio is a benchmark figure
+that pair against stock is reported, not asserted. Stock's own piecewise engine is no
+yardstick: it moved 239 of 256 requests from stock's default mode (why is not known; the
+plugin's piecewise engine stays within 4). The k = 0 throughput ratio is a benchmark figure
 (``bash bench/gpu/e2e_correctness.sh identity``), not asserted here.
 
 The engines take longer than one 600 s device call (two Qwen3-8B start-ups per ~400 s).

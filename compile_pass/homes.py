@@ -87,6 +87,8 @@ class Pacer:
     :attr:`achieved_GBps` says what the emulated link delivered."""
 
     GAIN = 0.5  # the share of a copy's timing error corrected at the next copy
+    CHUNKS = 32  # a copy's chunks (and spins) to start with
+    SPIN_DELAY_SHARE = 0.2  # spins delayed by more than this share of the copy: fewer chunks
     SMOOTHING = 0.1  # weight of the newest copy in :attr:`achieved_GBps`
 
     def __init__(self, target_GBps: float) -> None:
@@ -97,8 +99,9 @@ class Pacer:
         self.cycles_per_ns = 0.0
         self.achieved_GBps: float | None = None  # moving average of the timed copies
         self._spare_ns: dict[int, float] = {}  # per copy size: spin time after its chunks
+        self._chunks: dict[int, int] = {}  # per copy size: chunks (and spins) a copy takes
         self._plans: dict[int, PacePlan] = {}
-        self._timed: collections.deque[tuple[int, float, Any, Any]] = collections.deque()
+        self._timed: collections.deque[tuple[int, float, int, Any, Any]] = collections.deque()
 
     def calibrate(self, sample: torch.Tensor) -> None:
         """Measure the unpaced device copy of ``sample`` (as the start-up calibration times
@@ -114,13 +117,14 @@ class Pacer:
         plan = self._plans.get(nbytes)
         if plan is None:
             spare = self._spare_ns.get(nbytes)
+            chunks = self._chunks.setdefault(nbytes, self.CHUNKS)
             if spare is None:
                 plan = PacePlan.for_copy(
-                    nbytes, self.target_GBps, self.raw_GBps, self.cycles_per_ns
+                    nbytes, self.target_GBps, self.raw_GBps, self.cycles_per_ns, chunks
                 )
                 self._spare_ns[nbytes] = plan.spin_cycles * plan.chunks / self.cycles_per_ns
             else:
-                plan = PacePlan.spread(nbytes, spare, self.cycles_per_ns)
+                plan = PacePlan.spread(nbytes, spare, self.cycles_per_ns, chunks)
             self._plans[nbytes] = plan
         return plan
 
@@ -129,10 +133,20 @@ class Pacer:
         self.plan(nbytes)
         return self._spare_ns[nbytes]
 
-    def observe(self, nbytes: int, elapsed_ns: float, spare_ns: float | None = None) -> None:
-        """A paced copy of ``nbytes`` that spun ``spare_ns`` (the plan it was issued with;
-        None: the current one) took ``elapsed_ns`` on the device: the next copies of that
-        size spin that copy's spin time plus :attr:`GAIN` of its timing error.
+    def observe(
+        self,
+        nbytes: int,
+        elapsed_ns: float,
+        spare_ns: float | None = None,
+        spins: int | None = None,
+    ) -> None:
+        """A paced copy of ``nbytes`` that spun ``spare_ns`` in ``spins`` spins (the plan it
+        was issued with; None: the current one) took ``elapsed_ns`` on the device: the next
+        copies of that size spin that copy's spin time plus :attr:`GAIN` of its timing
+        error. Where the spins waited for SMs longer than :attr:`SPIN_DELAY_SHARE` of the
+        copy's target time, the copies take half as many chunks (down to one): behind long
+        kernels each spin's wait is what no spin time can take back, and fewer spins wait
+        less (the bytes then move in fewer, longer bursts, as the target still bounds).
 
         Correcting the spin the measured copy used, not the current one, keeps the loop
         stable however many copies are in flight when a measurement lands: a step queues
@@ -142,8 +156,16 @@ class Pacer:
         if elapsed_ns <= 0:
             return
         used = self.spare_ns(nbytes) if spare_ns is None else spare_ns
-        error_ns = nbytes / self.target_GBps - elapsed_ns
-        self._spare_ns[nbytes] = max(0.0, used + self.GAIN * error_ns)
+        if spins is None:
+            spins = self.plan(nbytes).chunks if self.plan(nbytes).spin_cycles else 0
+        target_ns = nbytes / self.target_GBps
+        waited_ns = elapsed_ns - nbytes / self.raw_GBps - used  # the spins' waits for SMs
+        chunks = self._chunks[nbytes]
+        if spins > 1 and waited_ns > self.SPIN_DELAY_SHARE * target_ns:
+            # Half the measured copy's spins, not the current count's: late measurements of
+            # copies still planned with more chunks must not halve it again and again.
+            self._chunks[nbytes] = min(chunks, spins // 2)
+        self._spare_ns[nbytes] = max(0.0, used + self.GAIN * (target_ns - elapsed_ns))
         self._plans.pop(nbytes, None)
         achieved = nbytes / elapsed_ns
         old = self.achieved_GBps
@@ -151,15 +173,16 @@ class Pacer:
 
     def _settle(self) -> None:
         """Feed back every timed copy that has finished (non-blocking, in order)."""
-        while self._timed and self._timed[0][3].query():
-            nbytes, used, start, end = self._timed.popleft()
-            self.observe(nbytes, start.elapsed_time(end) * 1e6, used)
+        while self._timed and self._timed[0][4].query():
+            nbytes, used, spins, start, end = self._timed.popleft()
+            self.observe(nbytes, start.elapsed_time(end) * 1e6, used, spins)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._settle()
         nbytes = src.numel()
         plan = self.plan(nbytes)
         used = self._spare_ns[nbytes]
+        spins = plan.chunks if plan.spin_cycles else 0
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for offset in range(0, nbytes, plan.chunk_bytes):
@@ -168,7 +191,7 @@ class Pacer:
             if plan.spin_cycles:
                 torch.cuda._sleep(plan.spin_cycles)
         end.record()
-        self._timed.append((nbytes, used, start, end))
+        self._timed.append((nbytes, used, spins, start, end))
 
     def describe(self) -> str:
         return (

@@ -97,6 +97,30 @@ def test_the_feedback_settles_with_a_steps_copies_in_flight() -> None:
     )
 
 
+def test_behind_long_kernels_the_copies_take_fewer_spins_and_still_hold_the_target() -> None:
+    """Spins that each wait 200 us for an SM (kernels as long as a large GEMM's): 32 of
+    them would cost 6.4 ms, five times the copy's 1.25 ms at 390 GB/s, and no spin time
+    could take that back. The pacer halves the chunks, from the measured copies' own spin
+    counts (36 copies in flight), until the waits fit, and holds the target."""
+    nbytes, in_flight, delay = 486_555_648, 36, 200_000
+    pacer = Pacer(390.0)
+    pacer.raw_GBps, pacer.cycles_per_ns = 1480.0, 1.99
+    queued: list[tuple[float, int, float]] = []
+    rates = []
+    for _ in range(800):  # ~22 steps at level 18: well under a second of serving
+        plan = pacer.plan(nbytes)
+        spins = plan.chunks if plan.spin_cycles else 0
+        elapsed = busy_gpu(pacer, nbytes, 1480.0, delay)
+        queued.append((pacer.spare_ns(nbytes), spins, elapsed))
+        rates.append(nbytes / elapsed)
+        if len(queued) > in_flight:
+            used, spins, elapsed = queued.pop(0)
+            pacer.observe(nbytes, elapsed, used, spins)
+    assert pacer.plan(nbytes).chunks < 4
+    last = rates[-100:]
+    assert all(abs(r - 390) / 390 < 0.02 for r in last), (min(last), max(last))
+
+
 def test_the_home_is_chosen_in_the_config_and_checked_with_the_fix() -> None:
     assert DynamicOffloadConfig().home == "host"
     device = DynamicOffloadConfig.from_dict(

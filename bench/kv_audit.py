@@ -9,9 +9,11 @@ changer. Only the model's arithmetic is left out.
     python -m bench.kv_audit --out bench/results/kv_audit_qwen3-8b_scaled.json
 
 Every token the scheduler schedules has its KV slot written with a pattern naming its
-request and position, in the block the step's block table gives it; every layer the forward
-would run reads its weights through its own addresses (its pages, or the shared region the
-prefetch filled) and must find its own bytes. After every level change, and every
+request and position, in the block the step's block table gives it (the prompts share no
+prefix, so a block's pattern names the one request that wrote it; a preempted request that
+resumes finds its own cached blocks); every layer the forward would run reads its weights
+through its own addresses (its pages, or the shared region the prefetch filled) and must
+find its own bytes. After every level change, and every
 ``--check-every`` steps, each live request's KV (every token written so far) must still
 hold its patterns, and no block of it may lie on an unmapped group. The engine core's
 order is kept: with ``--batch-queue 2`` (vLLM's async scheduling) step N+1 is scheduled

@@ -6,10 +6,12 @@ end-to-end tests, one engine per process).
 MODE: ``reference`` (no offloading, the plugin's CPU linear path), ``forced`` (the plugin
 with a level schedule 0 -> 2 -> 1 -> 2 -> 0 while 6 requests decode), ``forced-wrong`` (the
 same, with the negative control :func:`bench.weights.wrong_partner`: offloaded layers are
-copied in with their partner's weights), ``live`` (the plugin's
-policy under a burst of 24 requests, then a light tail). ``--tp 2`` runs two tensor-parallel
-ranks (vLLM's CPU engine binds one core per rank: set ``VLLM_CPU_OMP_THREADS_BIND``, e.g.
-``0|1``).
+copied in with their partner's weights), ``live`` (the plugin's policy under a burst of 24
+requests, then a light tail). The forced modes run with ``audit_changes`` on: every level
+change is checked in the engine (KV groups mapped before and after keep their bytes,
+resident layers their weights), and the trace counts what it found. ``--tp 2`` runs two
+tensor-parallel ranks (vLLM's CPU engine binds one core per rank: set
+``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0|1``).
 
 ``k0-many`` and ``forced-many``: the plugin held at k = 0, and the plugin starting at its top
 level and stepping down to 0 while 40 requests of mixed lengths (100-400 tokens in, 40-200
@@ -86,6 +88,8 @@ def main() -> None:
             offload["level_schedule"] = FORCED_LEVELS
         else:
             offload["policy"] = TINY_POLICY
+        if args.mode.startswith("forced"):  # every change checked in the engine (debug)
+            offload["audit_changes"] = True
     kwargs = engine_kwargs(args.model, offload, kv_bytes=(96 if many else 4) << 20)
     if args.tp > 1:
         kwargs["tensor_parallel_size"] = args.tp

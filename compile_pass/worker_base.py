@@ -366,6 +366,7 @@ class DynamicOffloadMixin:
             state.runtime,
             sync,
         )
+        state.levels.audit = state.config.audit_changes
         runtime_ = state.runtime
 
         def piecewise() -> bool:

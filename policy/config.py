@@ -239,6 +239,11 @@ class DynamicOffloadConfig:
             since the homes (two layers a level) must fit beyond the budget.
         home_GBps: pace every copy from a ``"device"`` home to this bandwidth (the emulated
             link: 390 for a GH200's NVLink-C2C); unset, the copies run at device speed.
+        audit_changes: debug: around every level change, check on the device that the KV
+            groups mapped before and after keep their bytes and every resident layer holds
+            its own weights (:class:`~dynoff.compile_pass.levels.ChangeAudit`; ~20 ms a
+            change for 50 GB of KV on an H100). What it finds is logged as an error and
+            traced with the change (``audit``). Off in serving.
     """
 
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
@@ -253,6 +258,7 @@ class DynamicOffloadConfig:
     measure_transfers: bool = False
     home: str = "host"
     home_GBps: float | None = None
+    audit_changes: bool = False
 
     KEY = "dynamic_offload"
 

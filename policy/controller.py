@@ -461,6 +461,7 @@ class OffloadController:
                 copy_ms=round(slowest.copy_ms, 3),
                 slots_changed=slowest.slots_changed,
                 ranks=len(outcomes),
+                **self._audit_findings(outcomes),
             )
             logger.info(
                 "dynamic offload: level %d -> %d (KV capacity %d blocks)",
@@ -489,6 +490,13 @@ class OffloadController:
                 self.level,
                 "; ".join(self._errors),
             )
+
+    @staticmethod
+    def _audit_findings(outcomes: list[ResizeOutcome]) -> dict[str, list[str]]:
+        """With ``audit_changes``: what each rank's change altered that it must not (none:
+        no field)."""
+        found = [f"rank {o.rank}: {what}" for o in outcomes for what in o.audit]
+        return {"audit": found} if found else {}
 
     def _abort_drain(self, step: int, why: str = "ran dry") -> None:
         started = self.elastic.drain_started_step

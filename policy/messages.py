@@ -47,6 +47,10 @@ class ResizeOutcome:
         driver_ms: inside VMM driver calls (map, unmap, set access).
         copy_ms: restoring layers from pinned memory (lowering only).
         slots_changed: page slots remapped (weights and KV).
+        audit: with ``audit_changes`` (debug), what the change altered that it must not
+            have: KV groups mapped before and after whose bytes changed, resident layers
+            not holding their own weights (:class:`~dynoff.compile_pass.levels.
+            ChangeAudit`); empty when it altered nothing, or when not audited.
 
     :attr:`stall_ms` is what the change costs the device: the part of it after the queued
     work drained, while nothing runs until the next step is launched. The wait before it
@@ -63,6 +67,7 @@ class ResizeOutcome:
     driver_ms: float = 0.0
     copy_ms: float = 0.0
     slots_changed: int = 0
+    audit: tuple[str, ...] = ()
 
     @property
     def stall_ms(self) -> float:

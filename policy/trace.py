@@ -48,6 +48,7 @@ class TraceSummary:
         self.level_changes = 0
         self.failures = 0
         self.aborted_drains = 0
+        self.audit_failures = 0  # changes the change audit (audit_changes) found at fault
 
     def add(self, record: dict[str, Any]) -> None:
         if record["kind"] == "step":
@@ -62,6 +63,7 @@ class TraceSummary:
         elif record["event"] == "level_change":
             self.level_changes += 1
             self.levels_visited.append(record["to_level"])
+            self.audit_failures += bool(record.get("audit"))
         elif record["event"] == "resize_failed":
             self.failures += 1
         elif record["event"] == "drain_aborted":
@@ -77,6 +79,7 @@ class TraceSummary:
             "level_changes": self.level_changes,
             "resize_failures": self.failures,
             "aborted_drains": self.aborted_drains,
+            "audit_failures": self.audit_failures,
             "max_waiting": self.max_waiting,
         }
 

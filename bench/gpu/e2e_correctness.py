@@ -112,6 +112,7 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
     elif mode in ("forced", "forced-wrong"):
         offload["level_schedule"] = forced_schedule(args.max_level)
         offload["policy"] = {"max_level": args.max_level}
+        offload["audit_changes"] = args.audit
     else:  # live
         offload["policy"] = {
             "max_level": args.max_level,
@@ -250,6 +251,8 @@ def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dic
             report["max_level_reached"] = max(trace["levels_visited"])
             report["levels_visited"] = trace["levels_visited"]
             report["resize_failures"] = trace["resize_failures"]
+            if "audit_failures" in trace:
+                report["audit_failures"] = trace["audit_failures"]
     return report
 
 
@@ -305,6 +308,12 @@ def main() -> None:
         help="distinct: each decoder layer's matrices redrawn, distinct and O(1/sqrt(fan-in)) "
         "(bench.weights); dummy: vLLM's own, identical in every layer",
     )
+    parser.add_argument(
+        "--audit",
+        action="store_true",
+        help="the forced engines check every level change on the device (audit_changes: "
+        "KV groups mapped before and after keep their bytes, resident layers their weights)",
+    )
     parser.add_argument("--workdir", default="/tmp/dynoff-e2e-correctness")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--live-memory-utilization", type=float, default=0.2)
@@ -341,6 +350,7 @@ def main() -> None:
         "kv_layout": args.kv_layout,
         "weights": args.weights,
         "kv_offloading_size": args.kv_offloading_size,
+        "audit_changes": args.audit,
         "engines": {},
     }
     for mode in args.engines or modes:

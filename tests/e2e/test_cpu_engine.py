@@ -59,6 +59,10 @@ def test_forced_levels_are_token_identical_to_no_offload(model: str, tmp_path: P
     # layer (the weights here are distinct per layer, unlike vLLM's dummy ones).
     wrong = run_engine("forced-wrong", model, tmp_path)
     assert wrong["outputs"] != reference["outputs"]
+    # The change audit (audit_changes, on in the forced runs) found nothing wrong in the
+    # forced engine, and saw the control's lowerings restore layers with wrong weights.
+    assert forced["trace"]["audit_failures"] == 0
+    assert wrong["trace"]["audit_failures"] > 0
     # The KV allocation hook took effect in the real engine: every attention layer's bound
     # KV cache (what its forward reads) lies inside the plugin's VMM ranges.
     assert forced["kv_outside_vmm"] == [[]]
@@ -91,6 +95,7 @@ def test_many_requests_decode_on_over_kv_that_moved(model: str, tmp_path: Path) 
     trace = forced["trace"]
     assert trace["levels_visited"] == [0, 1, 2, 3, 4, 3, 2, 1, 0]
     assert trace["resize_failures"] == 0 and trace["aborted_drains"] == 0
+    assert trace["audit_failures"] == 0  # no change altered a mapped group's bytes
     groups = forced["kv_groups"]
     # The lowerings gave back groups that level 0 maps at start-up: at k = 0 afterwards the
     # KV lives partly on groups the climb mapped, not on the start-up set.

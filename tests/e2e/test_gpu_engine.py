@@ -109,3 +109,4 @@ def test_levels_round_trip_under_load(report: dict) -> None:
     assert report["levels_visited"][0] == 0 and report["levels_visited"][-1] == 0
     assert report["level_changes"] >= 2 * MAX_LEVEL
     assert report["resize_failures"] == 0
+    assert report.get("audit_failures", 0) == 0  # with --audit: no change altered live KV

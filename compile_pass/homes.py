@@ -44,6 +44,11 @@ class PacePlan:
     chunks: int
     spin_cycles: int
 
+    @property
+    def spins(self) -> int:
+        """Spin kernels the copy launches (none when it need not wait)."""
+        return self.chunks if self.spin_cycles else 0
+
     @classmethod
     def for_copy(
         cls,
@@ -157,7 +162,7 @@ class Pacer:
             return
         used = self.spare_ns(nbytes) if spare_ns is None else spare_ns
         if spins is None:
-            spins = self.plan(nbytes).chunks if self.plan(nbytes).spin_cycles else 0
+            spins = self.plan(nbytes).spins
         target_ns = nbytes / self.target_GBps
         waited_ns = elapsed_ns - nbytes / self.raw_GBps - used  # the spins' waits for SMs
         chunks = self._chunks[nbytes]
@@ -182,7 +187,6 @@ class Pacer:
         nbytes = src.numel()
         plan = self.plan(nbytes)
         used = self._spare_ns[nbytes]
-        spins = plan.chunks if plan.spin_cycles else 0
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for offset in range(0, nbytes, plan.chunk_bytes):
@@ -191,7 +195,7 @@ class Pacer:
             if plan.spin_cycles:
                 torch.cuda._sleep(plan.spin_cycles)
         end.record()
-        self._timed.append((nbytes, used, spins, start, end))
+        self._timed.append((nbytes, used, plan.spins, start, end))
 
     def describe(self) -> str:
         return (

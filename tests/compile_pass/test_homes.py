@@ -28,11 +28,10 @@ def busy_gpu(pacer: Pacer, nbytes: int, copy_GBps: float, spin_delay_ns: float) 
     (a model of the device, for the feedback loop): the chunks copy at ``copy_GBps``, and
     each spin waits ``spin_delay_ns`` for an SM before it starts."""
     plan = pacer.plan(nbytes)
-    spins = plan.chunks if plan.spin_cycles else 0
     return (
         nbytes / copy_GBps
         + plan.chunks * plan.spin_cycles / pacer.cycles_per_ns
-        + (spins * spin_delay_ns)
+        + plan.spins * spin_delay_ns
     )
 
 
@@ -108,8 +107,7 @@ def test_behind_long_kernels_the_copies_take_fewer_spins_and_still_hold_the_targ
     queued: list[tuple[float, int, float]] = []
     rates = []
     for _ in range(800):  # ~22 steps at level 18: well under a second of serving
-        plan = pacer.plan(nbytes)
-        spins = plan.chunks if plan.spin_cycles else 0
+        spins = pacer.plan(nbytes).spins
         elapsed = busy_gpu(pacer, nbytes, 1480.0, delay)
         queued.append((pacer.spare_ns(nbytes), spins, elapsed))
         rates.append(nbytes / elapsed)

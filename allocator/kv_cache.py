@@ -74,6 +74,19 @@ class VmmKVCache:
     def pages_per_group(self) -> int:
         return sum(self.group_blocks * b.stride // self.arena.page_size for b in self.buffers)
 
+    def maps_block(self, block: int) -> bool:
+        """Whether ``block``'s group is backed by pages (its bytes may be read)."""
+        return block // self.group_blocks in self.backed
+
+    def group_bytes(self, group: int) -> list[torch.Tensor]:
+        """Group ``group``'s bytes in each KV buffer (``int8`` views; unbacked ones fault
+        or read the zero page)."""
+        views = []
+        for buffer in self.buffers:
+            span = self.group_blocks * buffer.stride
+            views.append(buffer.tensor[group * span : (group + 1) * span])
+        return views
+
     def _span(self, buffer: _Buffer, group: int) -> range:
         per = self.group_blocks * buffer.stride // self.arena.page_size
         return range(group * per, (group + 1) * per)

@@ -150,7 +150,6 @@ class Worker:
         self.slots = tensor.view(torch.int64)[: plan.num_blocks * BLOCK_SIZE * words].view(
             plan.num_blocks, BLOCK_SIZE, words
         )
-        self.group_blocks = plan.group_blocks
 
     def inject(self, fault: str, live_block: Callable[[], int]) -> None:
         """Make the audit see a fault the real code cannot produce on demand (its negative
@@ -168,7 +167,7 @@ class Worker:
             unmap = kv.unmap_groups
 
             def unmap_more(groups: Any, synchronize: bool = True) -> None:
-                victim = live_block() // self.group_blocks
+                victim = live_block() // kv.group_blocks
                 extra = [victim] if victim in kv.backed and victim not in groups else []
                 unmap([*groups, *extra], synchronize)
 
@@ -185,9 +184,6 @@ class Worker:
             engine.restore = restore_astray
         elif fault != "none":
             raise ValueError(f"unknown fault {fault!r}")
-
-    def mapped(self, block: int) -> bool:
-        return block // self.group_blocks in self.kv.backed
 
     def intact(self, layer: int) -> bool:
         """Layer ``layer``'s weights, read through its own addresses, are its own bytes."""
@@ -280,7 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if len(blocks) * BLOCK_SIZE < n:
                 note(f"{when}: {req_id} holds {len(blocks)} blocks for {n} tokens of KV")
                 continue
-            lost = [b for b in blocks if not worker.mapped(b)]
+            lost = [b for b in blocks if not worker.kv.maps_block(b)]
             if lost:
                 note(f"{when}: {req_id} has blocks {lost[:4]} on unmapped groups")
                 continue
@@ -326,7 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             blocks = block_ids(req_id)
             positions = torch.arange(start, start + num)
             where = [blocks[p // BLOCK_SIZE] for p in range(start, start + num)]
-            unmapped = sorted({b for b in where if not worker.mapped(b)})
+            unmapped = sorted({b for b in where if not worker.kv.maps_block(b)})
             if unmapped:
                 note(
                     f"step {counts['steps'] + 1}: {req_id} writes to unmapped blocks {unmapped[:4]}"

@@ -86,11 +86,7 @@ class ChangeAudit:
 
     @staticmethod
     def group(kv: VmmKVCache, group: int) -> int:
-        total = 0
-        for buffer in kv.buffers:
-            span = kv.group_blocks * buffer.stride
-            total += checksum(buffer.tensor[group * span : (group + 1) * span])
-        return total
+        return sum(checksum(view) for view in kv.group_bytes(group))
 
     def check(self, changer: LevelChanger) -> tuple[str, ...]:
         from dynoff.compile_pass.pairing import is_offloaded

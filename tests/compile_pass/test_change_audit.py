@@ -21,11 +21,9 @@ DOWN = OffloadCommand(1, 2, 0, unmap_groups=(8, 9))
 def audited() -> LevelChanger:
     levels = host_level_changer()
     levels.audit = True
-    buffer = levels.kv.buffers[0]
-    span = levels.kv.group_blocks * buffer.stride
     for group in levels.kv.backed:  # KV bytes in every mapped group (the others fault)
-        live = buffer.tensor[group * span : (group + 1) * span]
-        live.copy_(torch.randint(-128, 127, live.shape, dtype=torch.int8))
+        for live in levels.kv.group_bytes(group):
+            live.copy_(torch.randint(-128, 127, live.shape, dtype=torch.int8))
     return levels
 
 

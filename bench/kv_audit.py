@@ -398,7 +398,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--model", default=str(ROOT / "tests/models/qwen3-8b"))
@@ -418,7 +418,11 @@ def main() -> None:
         default="none",
         help="a negative control: a fault the audit must see (Worker.inject)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     result = run(args)
     print(json.dumps({k: v for k, v in result.items() if k != "level_schedule"}, indent=1))
     if args.out:

@@ -5,11 +5,9 @@ No live request's KV and no layer's weights may change; each injected fault must
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from bench.kv_audit import ROOT, run
+from bench.kv_audit import build_parser, run
 
 pytestmark = pytest.mark.slow
 
@@ -17,19 +15,11 @@ pytestmark = pytest.mark.slow
 def audit(
     fault: str = "none", batch_queue: int = 2, requests: int = 32, kv_blocks: int = 2048
 ) -> dict:
-    args = argparse.Namespace(
-        model=str(ROOT / "tests/models/qwen3-8b"),
-        requests=requests,
-        seed=0,
-        layers=36,
-        kv_blocks=kv_blocks,
-        max_level=4,
-        schedule=None,
-        max_num_seqs=256,
-        max_num_batched_tokens=16384,
-        batch_queue=batch_queue,
-        check_every=16,
-        fault=fault,
+    args = build_parser().parse_args(
+        [
+            *("--requests", str(requests), "--kv-blocks", str(kv_blocks), "--max-level", "4"),
+            *("--batch-queue", str(batch_queue), "--fault", fault),
+        ]
     )
     return run(args)
 

@@ -366,8 +366,9 @@ class LatencyEstimator:
         feeds the model's refinement, and level-0 steps its fit."""
         if forward_ms <= 0:
             return
-        if self.model is not None:
-            self._ratio_sum[level] += forward_ms / self._model_ms(level, shape)
+        model_ms = self._model_ms(level, shape) if self.model is not None else 0.0
+        if model_ms > 0:  # a model fitted on a few fast steps can price a step at nothing
+            self._ratio_sum[level] += forward_ms / model_ms
             self._ratio_count[level] += 1
         if level == 0 and self._calibrate is not None:
             self.fit.observe(shape, forward_ms)

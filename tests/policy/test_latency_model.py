@@ -272,3 +272,13 @@ def test_an_unmeasured_level_borrows_the_error_of_the_level_below_it() -> None:
     assert estimator.ratio(6) == pytest.approx(1.10)
     # A level below every measured one still borrows the pool (level 0's here: none).
     assert estimator.ratio(2) == pytest.approx((335 + 211 * 1.10) / (335 + 211))
+
+
+def test_a_step_the_model_prices_at_nothing_is_not_a_ratio() -> None:
+    """Seen in CI on vLLM's CPU engine: a model fitted on a few fast steps priced a step at
+    0 ms, and refining it divided by zero and killed the engine core."""
+    model = OffloadCostModel(N, B, 55e9, layer_ms_base=0.0, overhead_ms=0.0)
+    estimator = LatencyEstimator(PolicyConfig(estimator="model", min_samples=2), model)
+    assert model.step_ms(0, DECODE) == 0.0
+    estimator.observe(0, 1.5, DECODE)  # raised ZeroDivisionError
+    assert estimator.samples(0) == 1

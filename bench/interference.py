@@ -1,7 +1,7 @@
 """How the fast-link emulation differs from a DMA link (the fast-link issue, item 2): a decode
 and a prefill step of the toy decoder at realistic layer size, alone and while a layer is
 copied in beside it, from pinned host memory over PCIe (the real link, a DMA engine) and
-from a device home (the emulation: device-to-device copy-engine copies, paced by
+from a device home (the emulation: device-to-device copies, paced by
 :class:`~dynoff.compile_pass.homes.Pacer` or not).
 
     python3 -m bench.interference --out $OUT/interference_h200.json
@@ -9,14 +9,16 @@ from a device home (the emulation: device-to-device copy-engine copies, paced by
 Per step kind (``decode``: ``--decode-tokens`` tokens, ``prefill``: ``--prefill-tokens``) and
 copy source it reports the step's median time and its slowdown against the step alone, and
 the bandwidth the copies reached meanwhile. The paced copies first run one at a time beside
-the step, so that the pacer's feedback (:class:`~dynoff.compile_pass.homes.Pacer`) learns
-what the step's kernels cost its spins; ``pacer_achieved_GBps_after_feedback`` is what it
-reached then (the H100's first run, before the feedback existed, had the paced copies at
-280-285 GB/s of 390 beside a step). Besides what is timed, what the emulation costs
-by construction: a device-to-device copy reads the home and writes the region, two bytes of
-HBM traffic per byte moved where a host copy writes one; and the pacing spins occupy one SM
-(one thread block of ``torch.cuda._sleep``) of the GPU's ``multi_processor_count`` while they
-run. Every figure of the emulation is labelled as one.
+the step, and ``pacer_achieved_GBps_beside_step`` is the pacer's own moving average then
+(the figure the serving report carries). The H100's runs of 2026-12-06 paced with spin
+kernels between chunks, which wait for an SM behind every kernel of a busy step: open loop
+280-285 GB/s of 390, and with feedback 355 beside a prefill but 718 in the GPU test; the
+pacer now is one copy kernel a copy on a few SMs, with deadlines on the GPU's clock.
+Besides what is timed, what the emulation costs by construction: a device-to-device copy
+reads the home and writes the region, two bytes of HBM traffic per byte moved where a host
+copy writes one; and the copy kernel's ``copy_programs`` CTAs occupy as many SMs (of the
+GPU's ``multi_processor_count``) while a copy runs, where a DMA engine takes none. Every
+figure of the emulation is labelled as one.
 """
 
 from __future__ import annotations
@@ -115,9 +117,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # Enough copies queued on the side stream to outlast the timed steps.
             alone_ms = statistics.median(step_ms[kind]["none"])
             with torch.cuda.stream(side):
-                copy(source)  # warm-up (and the pacer's plan)
+                copy(source)  # warm-up (and the kernel's compile)
             side.synchronize()
-            if source == "device_paced":  # the pacer's feedback learns this step's load:
+            if source == "device_paced":  # the pacer's average settles beside this step:
                 for _ in range(args.pace_warmup):  # one copy at a time beside queued steps
                     step()
                     step()
@@ -125,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         copy(source)
                     side.synchronize()
                 torch.cuda.synchronize()
-                pacer.copy(region, home)  # feeds back the last one
+                pacer.copy(region, home)  # accounts the last one
                 torch.cuda.synchronize()
                 learned[kind] = round(pacer.achieved_GBps or 0.0, 1)
             one_ms = _copy_ms(functools.partial(copy, source), side)
@@ -150,11 +152,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_tokens": args.prefill_tokens,
         "home_GBps_target": args.home_GBps,
         "pacer": pacer.describe(),
-        "pacer_achieved_GBps_after_feedback": learned,
+        "pacer_achieved_GBps_beside_step": learned,
         "steps": summarize(step_ms, copies),
         "by_construction": {
             "hbm_bytes_per_byte_moved": {"host_pcie": 1, "device_paced": 2, "device_unpaced": 2},
-            "spin_sms": 1,
+            "copy_programs": pacer.programs,
             "multi_processor_count": props.multi_processor_count,
         },
         "emulation": "device_paced and device_unpaced are the fast-link emulation, not a link",
@@ -185,8 +187,7 @@ def main() -> None:
         type=int,
         default=24,
         help="paced copies, one at a time beside queued steps, before the timed ones: the "
-        "pacer's feedback learns the step's load (the timed copies are queued at once and "
-        "run on what it learned)",
+        "pacer's moving average of what they reached settles on this step's load",
     )
     parser.add_argument("--home-GBps", type=float, default=390.0)
     args = parser.parse_args()

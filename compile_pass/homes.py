@@ -6,12 +6,13 @@ a lowering restores the layer from it. Two homes:
 * ``"host"`` (the default): pinned host memory, copied over the CPU-GPU link (PCIe Gen5 on
   the H200: ~55 GB/s; NVLink-C2C on a GH200: ~390 GB/s) by the copy engine.
 * ``"device"``: GPU memory outside vLLM's budget (beyond ``gpu_memory_utilization``), copied
-  device to device by the copy engine. This is an **emulation** of a fast CPU-GPU link on one
-  GPU (the fast-link issue): with ``home_GBps`` each copy is paced to that bandwidth by
-  splitting it into chunks and spinning the copy stream between them (:class:`Pacer`), so
-  the copy engine, not the SMs, moves the bytes, as a DMA link would; the spin occupies one
-  SM for its duration. The homes cost HBM the far memory would not: they bound the level
-  (two layers a level) by what lies beyond the budget.
+  device to device. This is an **emulation** of a fast CPU-GPU link on one GPU (the
+  fast-link issue): with ``home_GBps`` each copy is paced to that bandwidth by a copy kernel
+  on a few SMs that waits for each block's deadline on the GPU's clock (:class:`Pacer`),
+  where a DMA link would use no SM; it reads the home and writes the region, two bytes of
+  HBM traffic per byte moved where a host link writes one. The homes cost HBM the far
+  memory would not: they bound the level (two layers a level) by what lies beyond the
+  budget.
 
 A peer GPU's memory over NVLink would be a third home: a device home on another device.
 """
@@ -19,209 +20,167 @@ A peer GPU's memory over NVLink would be a third home: a device home on another 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import math
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-ALIGN = 256  # bytes; chunk boundaries stay aligned for the copy engine
 HOME_MARGIN = 2 << 30  # left free beyond the budget (CUDA context growth, other processes)
-SPIN_SAMPLE_CYCLES = 2_000_000
 
 
 class HomeError(ValueError):
     """A home that cannot hold the offloaded layers here, with the fix."""
 
 
-@dataclasses.dataclass(frozen=True)
-class PacePlan:
-    """One layer's paced copy: ``chunks`` pieces of ``chunk_bytes``, each followed by a spin
-    of ``spin_cycles`` GPU clock cycles."""
+WORD = 8  # bytes the paced copy kernel moves per element (int64 words)
+BLOCK_WORDS = 4096  # words a program claims at a time: 32 KiB
+PROGRAM_LADDER = (4, 8, 16, 32, 64)  # copy programs (CTAs) tried at calibration
+HEADROOM = 1.5  # the unpaced kernel must reach this multiple of the target
 
-    chunk_bytes: int
-    chunks: int
-    spin_cycles: int
 
-    @property
-    def spins(self) -> int:
-        """Spin kernels the copy launches (none when it need not wait)."""
-        return self.chunks if self.spin_cycles else 0
+def block_ps(target_GBps: float, block_words: int = BLOCK_WORDS) -> int:
+    """Picoseconds between the deadlines of consecutive blocks at ``target_GBps``: block b of
+    a copy may start ``b * block_ps`` after the copy's first program started, so the bytes
+    move at the target on average however the programs are delayed. Bytes / (GB/s) = ns."""
+    if target_GBps <= 0:
+        raise ValueError(f"home_GBps={target_GBps} must be > 0")
+    return round(block_words * WORD * 1000 / target_GBps)
 
-    @classmethod
-    def for_copy(
-        cls,
-        nbytes: int,
-        target_GBps: float,
-        raw_GBps: float,
-        cycles_per_ns: float,
-        chunks: int = 32,
-    ) -> PacePlan:
-        """Chunks whose copies plus spins take ``nbytes / target_GBps`` in all, given an
-        unpaced copy at ``raw_GBps``; no spin when the target is not below the raw speed."""
-        if target_GBps <= 0 or raw_GBps <= 0 or cycles_per_ns <= 0:
-            raise ValueError("pacing needs positive bandwidths and clock")
-        spare_ns = max(0.0, nbytes / target_GBps - nbytes / raw_GBps)  # bytes / (GB/s) = ns
-        return cls.spread(nbytes, spare_ns, cycles_per_ns, chunks)
 
-    @classmethod
-    def spread(
-        cls, nbytes: int, spare_ns: float, cycles_per_ns: float, chunks: int = 32
-    ) -> PacePlan:
-        """``spare_ns`` of spinning spread evenly after the chunks of an ``nbytes`` copy."""
-        chunk = -(-nbytes // chunks)
-        chunk = -(-chunk // ALIGN) * ALIGN
-        count = -(-nbytes // chunk)
-        return cls(chunk, count, math.ceil(max(0.0, spare_ns) / count * cycles_per_ns))
+def enough_programs(rates: Mapping[int, float], target_GBps: float) -> int:
+    """The fewest programs whose unpaced copy reached :data:`HEADROOM` times the target
+    (``rates``: GB/s measured per program count), else the fastest count measured."""
+    for programs in sorted(rates):
+        if rates[programs] >= HEADROOM * target_GBps:
+            return programs
+    return max(rates, key=lambda p: rates[p])
+
+
+@functools.cache
+def paced_copy_kernel() -> Any:
+    """The Triton kernel (compiled on first use, CUDA only): programs claim 32 KiB blocks of
+    the copy in order from a counter, and block b waits until ``b * block_ps`` after the
+    first program started, read from the GPU's nanosecond ``%globaltimer``. One launch per
+    copy, each program resident on an SM for the copy's duration (a bounded number of
+    CTAs): a spin kernel between chunks instead would wait for an SM behind every kernel of
+    a busy step, and the copies fell short of or overshot the target by 30-80% beside a
+    prefill on the H100 (2026-12-06)."""
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import globaltimer
+
+    @triton.jit
+    def paced_copy(src, dst, n_words, block_ps, state, BLOCK: tl.constexpr):
+        now = globaltimer()
+        first = tl.atomic_cas(state, now * 0, now)  # state[0]: the first program's start
+        start = tl.where(first == 0, now, first)
+        n_blocks = tl.cdiv(n_words, BLOCK)
+        offsets = tl.arange(0, BLOCK)
+        block = tl.atomic_add(state + 1, 1)  # state[1]: the next block to claim
+        while block < n_blocks:
+            due = start + block * block_ps // 1000
+            now = globaltimer()
+            while now < due:
+                now = globaltimer()
+            first_word = block * BLOCK
+            inside = offsets < n_words - first_word
+            data = tl.load(src + first_word + offsets, mask=inside, cache_modifier=".cg")
+            tl.store(dst + first_word + offsets, data, mask=inside, eviction_policy="evict_first")
+            block = tl.atomic_add(state + 1, 1)
+
+    return paced_copy
 
 
 class Pacer:
-    """Copies at a target bandwidth on the current stream (CUDA only): chunked copies with
-    ``torch.cuda._sleep`` spins between them, planned from a measured unpaced copy and the
-    measured clock (:meth:`calibrate`), then held to the target by feedback.
+    """Copies at a target bandwidth on the current stream (CUDA only), with one launch of
+    :func:`paced_copy_kernel` per copy on a bounded number of programs, the fewest that
+    reach :data:`HEADROOM` times the target unpaced (:meth:`calibrate`). The deadlines are
+    absolute from the copy's start, so a program delayed behind a step's kernels catches up
+    with what the others left, and the copy keeps the target on average.
 
-    An open-loop plan is right only on an idle GPU: while a step's kernels fill every SM,
-    each spin (a kernel of one thread block) waits for an SM before it starts, and the
-    copies fell 27% short of 390 GB/s beside a decode or prefill step on the H100
-    (``bench/results/interference_h100.json``), as a slower link would. So each paced copy
-    is timed with two CUDA events, and once a copy has finished its duration corrects the
-    spin time of the next copies of that size (:meth:`observe`): spinning less when
-    the spins were delayed, more when the copies ran fast, never below none. Where even
-    unpaced copies cannot reach the target beside the compute, the spin goes to zero and
-    :attr:`achieved_GBps` says what the emulated link delivered."""
+    Each copy is timed with two CUDA events; :attr:`achieved_GBps` is their moving average,
+    what the emulated link delivered (the serving report's figure): the kernel's launch may
+    wait for an SM behind a step's kernels, as a DMA engine would not."""
 
-    GAIN = 0.5  # the share of a copy's timing error corrected at the next copy
-    CHUNKS = 32  # a copy's chunks (and spins) to start with
-    SPIN_DELAY_SHARE = 0.2  # spins delayed by more than this share of the copy: fewer chunks
     SMOOTHING = 0.1  # weight of the newest copy in :attr:`achieved_GBps`
 
     def __init__(self, target_GBps: float) -> None:
-        if target_GBps <= 0:
-            raise ValueError(f"home_GBps={target_GBps} must be > 0")
+        self.block_ps = block_ps(target_GBps)
         self.target_GBps = target_GBps
-        self.raw_GBps = 0.0
-        self.cycles_per_ns = 0.0
+        self.raw_GBps = 0.0  # the unpaced kernel's copy at :attr:`programs`
+        self.programs = PROGRAM_LADDER[-1]
         self.achieved_GBps: float | None = None  # moving average of the timed copies
-        self._spare_ns: dict[int, float] = {}  # per copy size: spin time after its chunks
-        self._chunks: dict[int, int] = {}  # per copy size: chunks (and spins) a copy takes
-        self._plans: dict[int, PacePlan] = {}
-        self._timed: collections.deque[tuple[int, float, int, Any, Any]] = collections.deque()
+        self._state: dict[int, torch.Tensor] = {}  # per stream: (start, next block)
+        self._timed: collections.deque[tuple[int, Any, Any]] = collections.deque()
 
     def calibrate(self, sample: torch.Tensor) -> None:
-        """Measure the unpaced device copy of ``sample`` (as the start-up calibration times
-        a layer's copy) and the spin's clock."""
-        from dynoff.compile_pass.calibrate import link
-
+        """Time the kernel unpaced over ``sample`` at each count of :data:`PROGRAM_LADDER`
+        (up to the GPU's SMs) and keep the fewest programs with :data:`HEADROOM`."""
         scratch = torch.empty_like(sample)
-        self.raw_GBps = link({0: sample}, {0: scratch}) / 1e9
-        self.cycles_per_ns = spin_clock()
+        sms = torch.cuda.get_device_properties(sample.device).multi_processor_count
+        rates: dict[int, float] = {}
+        for programs in (p for p in PROGRAM_LADDER if p <= sms):
+            self._launch(scratch, sample, programs, 0)  # warm-up (and the compile)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(3):
+                self._launch(scratch, sample, programs, 0)
+            end.record()
+            end.synchronize()
+            rates[programs] = 3 * sample.numel() / (start.elapsed_time(end) * 1e6)
         del scratch
+        self.programs = enough_programs(rates, self.target_GBps)
+        self.raw_GBps = rates[self.programs]
 
-    def plan(self, nbytes: int) -> PacePlan:
-        plan = self._plans.get(nbytes)
-        if plan is None:
-            spare = self._spare_ns.get(nbytes)
-            chunks = self._chunks.setdefault(nbytes, self.CHUNKS)
-            if spare is None:
-                plan = PacePlan.for_copy(
-                    nbytes, self.target_GBps, self.raw_GBps, self.cycles_per_ns, chunks
-                )
-                self._spare_ns[nbytes] = plan.spin_cycles * plan.chunks / self.cycles_per_ns
-            else:
-                plan = PacePlan.spread(nbytes, spare, self.cycles_per_ns, chunks)
-            self._plans[nbytes] = plan
-        return plan
+    def _launch(self, dst: torch.Tensor, src: torch.Tensor, programs: int, pace_ps: int) -> None:
+        nbytes = src.numel()
+        if nbytes % WORD or src.data_ptr() % WORD or dst.data_ptr() % WORD:
+            raise ValueError(f"paced copies move whole {WORD}-byte words ({nbytes} bytes)")
+        stream = torch.cuda.current_stream(src.device)
+        state = self._state.get(stream.cuda_stream)
+        if state is None:
+            state = self._state[stream.cuda_stream] = torch.zeros(
+                2, dtype=torch.int64, device=src.device
+            )
+        state.zero_()  # this stream's copies run one after another: the state is theirs
+        words = nbytes // WORD
+        paced_copy_kernel()[(programs,)](
+            src.view(torch.int64),
+            dst.view(torch.int64),
+            words,
+            pace_ps,
+            state,
+            BLOCK=BLOCK_WORDS,
+        )
 
-    def spare_ns(self, nbytes: int) -> float:
-        """The spin time the next copy of ``nbytes`` spreads over its chunks."""
-        self.plan(nbytes)
-        return self._spare_ns[nbytes]
-
-    def observe(
-        self,
-        nbytes: int,
-        elapsed_ns: float,
-        spare_ns: float | None = None,
-        spins: int | None = None,
-    ) -> None:
-        """A paced copy of ``nbytes`` that spun ``spare_ns`` in ``spins`` spins (the plan it
-        was issued with; None: the current one) took ``elapsed_ns`` on the device: the next
-        copies of that size spin that copy's spin time plus :attr:`GAIN` of its timing
-        error. Where the spins waited for SMs longer than :attr:`SPIN_DELAY_SHARE` of the
-        copy's target time, the copies take half as many chunks (down to one): behind long
-        kernels each spin's wait is what no spin time can take back, and fewer spins wait
-        less (the bytes then move in fewer, longer bursts, as the target still bounds).
-
-        Correcting the spin the measured copy used, not the current one, keeps the loop
-        stable however many copies are in flight when a measurement lands: a step queues
-        two copies per level before the first of them finishes, and an update that summed
-        each late measurement's error into the current spin would overshoot by all of them.
-        """
+    def observe(self, nbytes: int, elapsed_ns: float) -> None:
+        """A paced copy of ``nbytes`` took ``elapsed_ns`` on the device."""
         if elapsed_ns <= 0:
             return
-        used = self.spare_ns(nbytes) if spare_ns is None else spare_ns
-        if spins is None:
-            spins = self.plan(nbytes).spins
-        target_ns = nbytes / self.target_GBps
-        waited_ns = elapsed_ns - nbytes / self.raw_GBps - used  # the spins' waits for SMs
-        chunks = self._chunks[nbytes]
-        if spins > 1 and waited_ns > self.SPIN_DELAY_SHARE * target_ns:
-            # Half the measured copy's spins, not the current count's: late measurements of
-            # copies still planned with more chunks must not halve it again and again.
-            self._chunks[nbytes] = min(chunks, spins // 2)
-        self._spare_ns[nbytes] = max(0.0, used + self.GAIN * (target_ns - elapsed_ns))
-        self._plans.pop(nbytes, None)
         achieved = nbytes / elapsed_ns
         old = self.achieved_GBps
         self.achieved_GBps = achieved if old is None else old + self.SMOOTHING * (achieved - old)
 
     def _settle(self) -> None:
-        """Feed back every timed copy that has finished (non-blocking, in order)."""
-        while self._timed and self._timed[0][4].query():
-            nbytes, used, spins, start, end = self._timed.popleft()
-            self.observe(nbytes, start.elapsed_time(end) * 1e6, used, spins)
+        """Account every timed copy that has finished (non-blocking, in order)."""
+        while self._timed and self._timed[0][2].query():
+            nbytes, start, end = self._timed.popleft()
+            self.observe(nbytes, start.elapsed_time(end) * 1e6)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._settle()
-        nbytes = src.numel()
-        plan = self.plan(nbytes)
-        used = self._spare_ns[nbytes]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for offset in range(0, nbytes, plan.chunk_bytes):
-            stop = min(nbytes, offset + plan.chunk_bytes)
-            dst[offset:stop].copy_(src[offset:stop], non_blocking=True)
-            if plan.spin_cycles:
-                torch.cuda._sleep(plan.spin_cycles)
+        self._launch(dst, src, self.programs, self.block_ps)
         end.record()
-        self._timed.append((nbytes, used, plan.spins, start, end))
+        self._timed.append((src.numel(), start, end))
 
     def describe(self) -> str:
         return (
-            f"paced to {self.target_GBps:.0f} GB/s (unpaced device copy {self.raw_GBps:.0f} "
-            f"GB/s, clock {self.cycles_per_ns:.2f} cycles/ns; held there by feedback)"
+            f"paced to {self.target_GBps:.0f} GB/s by a copy kernel on {self.programs} "
+            f"programs (CTAs; unpaced {self.raw_GBps:.0f} GB/s on them)"
         )
-
-
-def spin_clock(repeats: int = 3) -> float:
-    """GPU clock cycles per nanosecond as ``torch.cuda._sleep`` counts them. The spin kernel
-    is loaded first (its first launch loads the module, host time that would land between
-    the events), and each timed spin is queued behind another, so the host's launch latency
-    stays outside the events too; the shortest of ``repeats`` is the least inflated. A clock
-    read too slow makes every spin too short and the paced copies too fast."""
-    torch.cuda._sleep(1_000)
-    torch.cuda.synchronize()
-    best_ms = math.inf
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(SPIN_SAMPLE_CYCLES // 4)  # busy while the timed spin is queued
-        start.record()
-        torch.cuda._sleep(SPIN_SAMPLE_CYCLES)
-        end.record()
-        end.synchronize()
-        best_ms = min(best_ms, start.elapsed_time(end))
-    return SPIN_SAMPLE_CYCLES / (best_ms * 1e6)
 
 
 def check_device_home(max_level: int, layer_bytes: int, beyond_budget: int) -> None:

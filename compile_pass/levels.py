@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 
 from dynoff.allocator.kv_cache import VmmKVCache
-from dynoff.compile_pass.placement import WeightPlacement
+from dynoff.compile_pass.placement import LayerPack, WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.runtime import OffloadRuntime
 from dynoff.policy.messages import OffloadCommand, ResizeOutcome
@@ -69,39 +69,48 @@ def checksum(flat: torch.Tensor) -> int:
 
 class ChangeAudit:
     """Debug (``audit_changes``): what a level change must leave alone, checked on the
-    device. Before the change: a checksum of every mapped KV group and of every layer's
-    weights (taken at the first change, at level 0, when every layer holds its own). After
-    it, and after its restore copies landed: every group still mapped must keep its bytes
-    (no forward runs in between, so any change is the change's doing: a page unmapped or
-    remapped under live KV, a restore copy landing on it), and every resident layer must
-    hold its own weights. About 20 ms a change for 50 GB of KV on an H100; off in serving."""
+    device. Before the change: a checksum of every mapped KV group and of every resident
+    layer's weights. After it, and after its restore copies landed: every group still
+    mapped must keep its bytes and every layer resident before and after its weights (no
+    forward runs in between, so any change is the change's doing: a page unmapped or
+    remapped under live KV or weights, a restore copy landing on it), and every layer a
+    lowering restored must hold its home's bytes (its own weights, not its partner's).
 
-    def __init__(self, changer: LevelChanger, expected: dict[int, int]) -> None:
+    Nothing is remembered from one change to the next: the weights may change between
+    changes (a weight reload, a redraw), and the audit compares each change with the
+    moment before it and with the homes. About 20 ms a change for 50 GB of KV and 13 GB of
+    weights on an H100; off in serving."""
+
+    def __init__(self, changer: LevelChanger) -> None:
         self.kv = {g: self.group(changer.kv, g) for g in changer.kv.backed}
-        if not expected:
-            if changer.level != 0:
-                raise RuntimeError("the change audit takes the weights' checksums at level 0")
-            expected.update({p.index: checksum(p.flat) for p in changer.placement.packs})
-        self.expected = expected
+        self.weights = {
+            pack.index: checksum(pack.flat) for pack in self.resident(changer, changer.level)
+        }
 
     @staticmethod
     def group(kv: VmmKVCache, group: int) -> int:
         return sum(checksum(view) for view in kv.group_bytes(group))
 
-    def check(self, changer: LevelChanger) -> tuple[str, ...]:
+    @staticmethod
+    def resident(changer: LevelChanger, level: int) -> list[LayerPack]:
         from dynoff.compile_pass.pairing import is_offloaded
 
+        n = changer.placement.num_layers
+        return [p for p in changer.placement.packs if not is_offloaded(p.index, level, n)]
+
+    def check(self, changer: LevelChanger) -> tuple[str, ...]:
         changer.engine.synchronize()  # the lowering's restore copies land first
         wrong = [
             f"KV group {g} changed"
             for g, before in self.kv.items()
             if g in changer.kv.backed and self.group(changer.kv, g) != before
         ]
-        n = changer.placement.num_layers
-        for pack in changer.placement.packs:
-            if is_offloaded(pack.index, changer.level, n):
-                continue  # its range shows the shared region: whichever layer it holds
-            if checksum(pack.flat) != self.expected[pack.index]:
+        for pack in self.resident(changer, changer.level):
+            before = self.weights.get(pack.index)
+            if before is not None:
+                if checksum(pack.flat) != before:
+                    wrong.append(f"layer {pack.index} changed")
+            elif pack.cpu is None or checksum(pack.flat) != checksum(pack.cpu):
                 wrong.append(f"layer {pack.index} does not hold its own weights")
         return tuple(wrong)
 
@@ -125,7 +134,6 @@ class LevelChanger:
         self.runtime = runtime
         self.device_sync = device_sync
         self.audit = False  # ``audit_changes``: check every change (:class:`ChangeAudit`)
-        self._audit_weights: dict[int, int] = {}
 
     @property
     def level(self) -> int:
@@ -143,7 +151,7 @@ class LevelChanger:
             self.device_sync()  # no queued step may touch pages we unmap
             self.engine.synchronize()
             synced = time.perf_counter()
-            audit = ChangeAudit(self, self._audit_weights) if self.audit else None
+            audit = ChangeAudit(self) if self.audit else None
             self.placement.last_copy_ms = 0.0
             if command.target_level == self.level + 1:
                 self._raise(command.map_groups)

@@ -11,22 +11,23 @@ the ops inserted and split at, but no plugin, so they do nothing), ``k0`` (the p
 at k = 0, no trace), ``forced`` (the plugin under a schedule 0 -> max -> 0 while the
 requests decode) and ``forced-wrong`` (the negative control: ``forced`` with every offloaded
 layer copied in with its partner's weights, :func:`bench.weights.wrong_partner`; it must
-differ from stock, or the identity check could not see a wrong layer). ``k0-pw``,
-``forced-pw`` and ``forced-wrong-pw`` (and ``stock-pw``) are the same with
-``cudagraph_mode=PIECEWISE``. ``forced`` runs its k > 0 steps piecewise and its k = 0 steps
-on FULL graphs, and the two graph modes need not agree to the last bit: on the H100, with
-distinct weights, ``forced`` left 3 of 256 requests 30-50 steps after its last level change.
-On one graph mode, with the same graphs and the same batches, ``forced-pw`` must give
-``k0-pw``'s tokens exactly: a lost KV page or a wrong layer would show there. ``stock-pw``
-is no yardstick for it: on the H100 (2026-12-06) stock's piecewise mode moved 239 of 256
-requests away from stock's default graph mode, from the first tokens, while every plugin
-engine (``k0``, ``forced``, ``forced-pw``) stayed within 4 of 256 of stock (why is not
-known); it measures vLLM's own graph modes. Every engine sees the
-same first batch on a cold prefix cache; KV capacity is ample at every level, so all engines
-schedule the same batches. It reports token identity between them, the k = 0 throughput
-ratio (best of ``--repeats`` batches, distinct prompts each, after a warm-up) and the decode
-step time at batch ``--decode-batch`` (median of 3). Engines can be split over several calls
-on one warm machine (``--engines``): each engine's result stays in
+differ from stock, or the identity check could not see a wrong layer). ``k0-pw``, ``forced-pw``
+and ``forced-wrong-pw`` (and ``stock-pw``) are the same with ``cudagraph_mode=PIECEWISE``;
+``forced0-pw`` is ``forced-pw``'s configuration (trace, level bound, audit) held at 0, which
+tells whether a difference between ``k0-pw`` and ``forced-pw`` comes from the level changes or
+from the configuration. ``forced`` runs its k > 0 steps piecewise and its k = 0 steps on FULL
+graphs, and the two graph modes need not agree to the last bit: on the H100, with distinct
+weights, ``forced`` left 3 of 256 requests 30-50 steps after its last level change. On one graph
+mode, with the same graphs and the same batches, ``forced-pw`` must give ``k0-pw``'s tokens
+exactly: a lost KV page or a wrong layer would show there. ``stock-pw`` is no yardstick for it:
+on the H100 (2026-12-06) stock's piecewise mode moved 239 of 256 requests away from stock's
+default graph mode, from the first tokens, while every plugin engine (``k0``, ``forced``,
+``forced-pw``) stayed within 4 of 256 of stock (why is not known); it measures vLLM's own graph
+modes. Every engine sees the same first batch on a cold prefix cache; KV capacity is ample at
+every level, so all engines schedule the same batches. It reports token identity between them,
+the k = 0 throughput ratio (best of ``--repeats`` batches, distinct prompts each, after a
+warm-up) and the decode step time at batch ``--decode-batch`` (median of 3). Engines can be
+split over several calls on one warm machine (``--engines``): each engine's result stays in
 ``/tmp/dynoff-e2e-correctness`` and every call reports on all found there.
 
 ``live`` runs the plugin's policy with a small KV budget under a burst, then a light tail:
@@ -49,7 +50,7 @@ from bench.common import read_results, write_results
 CAPTURE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 WORKER = "dynoff.compile_pass.worker.DynamicOffloadWorker"
 PIECEWISE = "-pw"  # a mode's suffix: the same engine with cudagraph_mode=PIECEWISE
-PIECEWISE_MODES = ("stock-pw", "k0-pw", "forced-pw", "forced-wrong-pw")
+PIECEWISE_MODES = ("stock-pw", "k0-pw", "forced0-pw", "forced-pw", "forced-wrong-pw")
 SCHEDULER = "dynoff.policy.scheduler.DynamicOffloadScheduler"
 
 
@@ -109,8 +110,9 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
     offload: dict[str, Any] = {"trace_path": trace}
     if mode == "k0":  # as served: no trace (the one at k = 0 would only say "0")
         offload = {"level_schedule": [[0, 0]]}
-    elif mode in ("forced", "forced-wrong"):
-        offload["level_schedule"] = forced_schedule(args.max_level)
+    elif mode in ("forced", "forced-wrong", "forced0"):  # forced0: the same, held at 0
+        schedule = forced_schedule(args.max_level) if mode != "forced0" else [[0, 0]]
+        offload["level_schedule"] = schedule
         offload["policy"] = {"max_level": args.max_level}
         offload["audit_changes"] = args.audit
     else:  # live
@@ -161,7 +163,7 @@ def run_engine(mode: str, model: str, out: Path, trace: Path, args: argparse.Nam
         elapsed, outputs = generate(burst)
         _, tail = generate([(ids[:64], 400) for ids, _ in requests[:2]])
         result.update(burst_s=elapsed, outputs=outputs + tail)
-    elif base in ("forced", "forced-wrong"):
+    elif base in ("forced", "forced-wrong", "forced0"):
         elapsed, outputs = generate(requests)  # first: the schedule counts engine steps
         result.update(seconds=[elapsed], outputs=outputs)
         # HACK guard in the real engine: no step that needed the ops went to a FULL graph.
@@ -214,6 +216,8 @@ def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dic
         ("forced-wrong-pw", "forced-pw"),
     ]
     pairs += [("stock-pw", "stock"), ("forced-pw", "stock-pw")]  # vLLM's own graph modes
+    # The forced engine's configuration held at 0: which of k0-pw and forced-pw it joins.
+    pairs += [("forced0-pw", "k0-pw"), ("forced0-pw", "forced-pw"), ("forced0-pw", "stock")]
     for second in [m for m in outputs if m.endswith("_2") and m != "stock_2"]:  # --combine
         pairs += [(second, second[:-2]), (second, "stock")]
     report: dict[str, Any] = {

@@ -75,3 +75,31 @@ def test_the_trace_carries_what_the_audit_found_with_the_change(tmp_path) -> Non
     (change,) = [e for e in events if e.get("event") == "level_change"]
     assert change["audit"] == ["rank 0: KV group 3 changed"]
     assert summarize_trace(trace)["audit_failures"] == 1
+
+
+def test_weights_reloaded_between_changes_are_no_false_alarm() -> None:
+    """The GPU identity run (2026-12-06, H100) redrew every layer's weights, homes included,
+    after the start-up calibration had changed levels once: an audit that kept the first
+    change's checksums then flagged every resident layer at all 36 changes, while the
+    outputs matched the engine without the audit token for token."""
+    levels = audited()
+    levels.apply(UP)
+    levels.apply(DOWN)  # the calibration's round trip
+    for pack in levels.placement.packs:  # a reload: new weights, and the homes with them
+        pack.flat.add_(1)
+        if pack.cpu is not None:
+            pack.cpu.copy_(pack.flat)
+    assert round_trip(levels) == ((), ())
+
+
+def test_a_change_that_writes_on_a_resident_layer_is_reported() -> None:
+    levels = audited()
+    raise_level = levels.placement.raise_level
+
+    def raise_astray():  # the raise also lands on resident layer 1's first page
+        raise_level()
+        levels.placement.packs[1].flat[:64].fill_(7)
+
+    levels.placement.raise_level = raise_astray
+    up, down = round_trip(levels)
+    assert up == ("layer 1 changed",) and down == ()

@@ -34,7 +34,8 @@ class HomeError(ValueError):
 
 
 WORD = 8  # bytes the paced copy kernel moves per element (int64 words)
-BLOCK_WORDS = 4096  # words a program claims at a time: 32 KiB
+BLOCK_WORDS = 8192  # words a program claims at a time: 64 KiB, in flight at once
+WARPS = 8  # a program's warps: 32 words (256 bytes) a thread
 PROGRAM_LADDER = (4, 8, 16, 32, 64)  # copy programs (CTAs) tried at calibration
 HEADROOM = 1.5  # the unpaced kernel must reach this multiple of the target
 
@@ -59,9 +60,10 @@ def enough_programs(rates: Mapping[int, float], target_GBps: float) -> int:
 
 @functools.cache
 def paced_copy_kernel() -> Any:
-    """The Triton kernel (compiled on first use, CUDA only): programs claim 32 KiB blocks of
+    """The Triton kernel (compiled on first use, CUDA only): programs claim 64 KiB blocks of
     the copy in order from a counter, and block b waits until ``b * block_ps`` after the
-    first program started, read from the GPU's nanosecond ``%globaltimer``. One launch per
+    first program started, read from the GPU's nanosecond ``%globaltimer``. A program keeps a
+    whole block in flight (64 KiB), so that few programs reach the target. One launch per
     copy, each program resident on an SM for the copy's duration (a bounded number of
     CTAs): a spin kernel between chunks instead would wait for an SM behind every kernel of
     a busy step, and the copies fell short of or overshot the target by 30-80% beside a
@@ -152,6 +154,7 @@ class Pacer:
             pace_ps,
             state,
             BLOCK=BLOCK_WORDS,
+            num_warps=WARPS,
         )
 
     def observe(self, nbytes: int, elapsed_ns: float) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -99,22 +100,32 @@ class Pacer:
     :func:`paced_copy_kernel` per copy on a bounded number of programs, the fewest that
     reach :data:`HEADROOM` times the target unpaced (:meth:`calibrate`). The deadlines are
     absolute from the copy's start, so a program delayed behind a step's kernels catches up
-    with what the others left, and the copy keeps the target on average.
+    with what the others left, and the copy keeps its schedule on average.
 
-    Each copy is timed with two CUDA events; :attr:`achieved_GBps` is their moving average,
-    what the emulated link delivered (the serving report's figure): the kernel's launch may
-    wait for an SM behind a step's kernels, as a DMA engine would not."""
+    What the schedule cannot see is the time a copy takes beyond it: the kernel's launch from
+    the host and its wait for a first SM, and blocks that could not keep their deadlines
+    beside a busy step. On the H100 (2026-12-06) copies of a Qwen3-8B-sized layer scheduled
+    for 1.25 ms (390 GB/s) took about 1.5 ms beside a prefill (323 GB/s), and fell short on an
+    idle GPU too. So each copy is timed with two CUDA
+    events, the time it took beyond its schedule (its *lag*) is averaged per copy size, and
+    the next copies are scheduled faster by what makes schedule plus lag take ``nbytes /
+    target``, up to unpaced. The lag does not depend on the schedule it was measured under,
+    so measurements that land late (a step queues two copies a level before the first ends)
+    cannot make the loop overshoot. :attr:`achieved_GBps` is the moving average of what the
+    copies reached, the emulated link's figure in the serving report."""
 
+    GAIN = 0.5  # the share of a copy's measured lag taken into the average
     SMOOTHING = 0.1  # weight of the newest copy in :attr:`achieved_GBps`
 
     def __init__(self, target_GBps: float) -> None:
-        self.block_ps = block_ps(target_GBps)
+        block_ps(target_GBps)  # checks the target
         self.target_GBps = target_GBps
         self.raw_GBps = 0.0  # the unpaced kernel's copy at :attr:`programs`
         self.programs = PROGRAM_LADDER[-1]
         self.achieved_GBps: float | None = None  # moving average of the timed copies
+        self._lag_ns: dict[int, float] = {}  # per copy size: time taken beyond the schedule
         self._state: dict[int, torch.Tensor] = {}  # per stream: (start, next block)
-        self._timed: collections.deque[tuple[int, Any, Any]] = collections.deque()
+        self._timed: collections.deque[tuple[int, float, Any, Any]] = collections.deque()
 
     def calibrate(self, sample: torch.Tensor) -> None:
         """Time the kernel unpaced over ``sample`` at each count of :data:`PROGRAM_LADDER`
@@ -134,6 +145,31 @@ class Pacer:
         del scratch
         self.programs = enough_programs(rates, self.target_GBps)
         self.raw_GBps = rates[self.programs]
+
+    def schedule_GBps(self, nbytes: int) -> float:
+        """The rate the next copy of ``nbytes`` is scheduled at: faster than the target by
+        what its measured lag needs, ``math.inf`` (unpaced) where no schedule leaves room."""
+        room_ns = nbytes / self.target_GBps - self._lag_ns.get(nbytes, 0.0)
+        if room_ns <= 0:
+            return math.inf
+        rate = nbytes / room_ns
+        return math.inf if self.raw_GBps and rate >= self.raw_GBps else rate
+
+    def observe(self, nbytes: int, elapsed_ns: float, scheduled_GBps: float | None = None) -> None:
+        """A copy of ``nbytes`` scheduled at ``scheduled_GBps`` (None: the current schedule)
+        took ``elapsed_ns`` on the device."""
+        if elapsed_ns <= 0:
+            return
+        if scheduled_GBps is None:
+            scheduled_GBps = self.schedule_GBps(nbytes)
+        if math.isinf(scheduled_GBps):
+            scheduled_GBps = self.raw_GBps or math.inf
+        lag = max(0.0, elapsed_ns - nbytes / scheduled_GBps)
+        old = self._lag_ns.get(nbytes)
+        self._lag_ns[nbytes] = lag if old is None else old + self.GAIN * (lag - old)
+        achieved = nbytes / elapsed_ns
+        old = self.achieved_GBps
+        self.achieved_GBps = achieved if old is None else old + self.SMOOTHING * (achieved - old)
 
     def _launch(self, dst: torch.Tensor, src: torch.Tensor, programs: int, pace_ps: int) -> None:
         nbytes = src.numel()
@@ -157,32 +193,28 @@ class Pacer:
             num_warps=WARPS,
         )
 
-    def observe(self, nbytes: int, elapsed_ns: float) -> None:
-        """A paced copy of ``nbytes`` took ``elapsed_ns`` on the device."""
-        if elapsed_ns <= 0:
-            return
-        achieved = nbytes / elapsed_ns
-        old = self.achieved_GBps
-        self.achieved_GBps = achieved if old is None else old + self.SMOOTHING * (achieved - old)
-
     def _settle(self) -> None:
         """Account every timed copy that has finished (non-blocking, in order)."""
-        while self._timed and self._timed[0][2].query():
-            nbytes, start, end = self._timed.popleft()
-            self.observe(nbytes, start.elapsed_time(end) * 1e6)
+        while self._timed and self._timed[0][3].query():
+            nbytes, scheduled, start, end = self._timed.popleft()
+            self.observe(nbytes, start.elapsed_time(end) * 1e6, scheduled)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._settle()
+        nbytes = src.numel()
+        scheduled = self.schedule_GBps(nbytes)
+        pace_ps = 0 if math.isinf(scheduled) else block_ps(scheduled)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        self._launch(dst, src, self.programs, self.block_ps)
+        self._launch(dst, src, self.programs, pace_ps)
         end.record()
-        self._timed.append((src.numel(), start, end))
+        self._timed.append((nbytes, scheduled, start, end))
 
     def describe(self) -> str:
         return (
             f"paced to {self.target_GBps:.0f} GB/s by a copy kernel on {self.programs} "
-            f"programs (CTAs; unpaced {self.raw_GBps:.0f} GB/s on them)"
+            f"programs (CTAs; unpaced {self.raw_GBps:.0f} GB/s on them), each copy's launch "
+            "and waits made up from its schedule"
         )
 
 

@@ -216,8 +216,9 @@ def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dic
         ("forced-wrong-pw", "forced-pw"),
     ]
     pairs += [("stock-pw", "stock"), ("forced-pw", "stock-pw")]  # vLLM's own graph modes
-    # The forced engine's configuration held at 0: which of k0-pw and forced-pw it joins.
-    pairs += [("forced0-pw", "k0-pw"), ("forced0-pw", "forced-pw"), ("forced0-pw", "stock")]
+    # The forced engine's configuration held at 0: the same engine without its level changes.
+    pairs += [("forced0-pw", "forced-pw"), ("forced0-pw", "k0-pw"), ("forced0-pw", "stock")]
+    pairs += [("forced-wrong-pw", "forced0-pw")]
     for second in [m for m in outputs if m.endswith("_2") and m != "stock_2"]:  # --combine
         pairs += [(second, second[:-2]), (second, "stock")]
     report: dict[str, Any] = {
@@ -236,12 +237,16 @@ def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dic
             report["token_identical"] = outputs["forced"] == outputs["stock"]
     if "forced-wrong" in outputs and "stock" in outputs:  # must be seen to differ
         report["negative_control_detected"] = outputs["forced-wrong"] != outputs["stock"]
-    if "k0-pw" in outputs:  # one graph mode throughout, the plugin's graphs
+    # One graph mode throughout, the plugin's graphs: forced against the same configuration
+    # held at 0 (forced0-pw), or, in reports before it existed, against k0-pw.
+    held = "forced0-pw" if "forced0-pw" in outputs else "k0-pw"
+    if held in outputs:
         if "forced-pw" in outputs:
-            report["token_identical_piecewise"] = outputs["forced-pw"] == outputs["k0-pw"]
+            report["token_identical_piecewise"] = outputs["forced-pw"] == outputs[held]
         if "forced-wrong-pw" in outputs:
             wrong = outputs["forced-wrong-pw"]
-            report["negative_control_piecewise_detected"] = wrong != outputs["k0-pw"]
+            report["negative_control_piecewise_detected"] = wrong != outputs[held]
+        report["piecewise_pair"] = f"forced-pw_vs_{held}"
     if "stock" in engines and "k0" in engines and "seconds" in engines["k0"]:
         stock_s, k0_s = min(engines["stock"]["seconds"]), min(engines["k0"]["seconds"])
         report["k0_throughput_ratio"] = round(stock_s / k0_s, 4)

@@ -81,3 +81,30 @@ def test_one_graph_mode_pairs_and_committed_gzip_outputs(tmp_path: Path) -> None
     # Without k0-pw the piecewise pair is not judged at all (stock-pw is no yardstick).
     third = call(tmp_path, "c", {"forced-pw": {}}, {"forced-pw": other})
     assert "token_identical_piecewise" not in combine([first, third])
+
+
+def test_the_forced_engine_is_judged_against_its_own_configuration_held_at_0(
+    tmp_path: Path,
+) -> None:
+    """On the H100 (2026-12-06) the plugin held at 0 with the default configuration (k0-pw)
+    differed from the forced engine in 240 of 256 requests from the first decode tokens,
+    before any level change, while the forced configuration held at 0 (forced0-pw) gave the
+    forced engine's tokens exactly: where forced0-pw ran, the pair is judged against it."""
+    held, k0, wrong = [[1, 2, 3], [4, 5, 6]], [[1, 2, 7], [4, 5, 8]], [[9, 9, 9], [4, 5, 6]]
+    first = call(
+        tmp_path,
+        "a",
+        {"k0-pw": {}, "forced-pw": {}, "forced-wrong-pw": {}},
+        {"k0-pw": k0, "forced-pw": held, "forced-wrong-pw": wrong},
+    )
+    second = call(tmp_path, "b", {"forced0-pw": {}}, {"forced0-pw": held})
+    report = combine([first, second])
+    assert report["piecewise_pair"] == "forced-pw_vs_forced0-pw"
+    assert report["token_identical_piecewise"] is True
+    assert report["negative_control_piecewise_detected"] is True
+    identity = report["identity"]
+    assert identity["forced0-pw_vs_forced-pw"]["identical"] is True
+    assert identity["forced0-pw_vs_k0-pw"]["requests_differing"] == 2
+    assert identity["forced-wrong-pw_vs_forced0-pw"]["requests_differing"] == 1
+    # Without forced0-pw the pair falls back to k0-pw, and here fails.
+    assert combine([first])["token_identical_piecewise"] is False

@@ -64,7 +64,12 @@ def paced_copy_kernel() -> Any:
     """The Triton kernel (compiled on first use, CUDA only): programs claim 64 KiB blocks of
     the copy in order from a counter, and block b waits until ``b * block_ps`` after the
     first program started, read from the GPU's nanosecond ``%globaltimer``. A program keeps a
-    whole block in flight (64 KiB), so that few programs reach the target. One launch per
+    whole block in flight (64 KiB), so that few programs reach the target. The pace is not
+    specialized on: Triton compiles a kernel per divisibility of an integer argument, and a
+    pace not divisible by 16 (390 GB/s: 168,041 ps a block) would compile a second kernel,
+    seconds long, inside the first paced copy, where calibration's unpaced 0 had compiled
+    the first (the kernel's first H100 run held 200 GB/s, whose pace divides by 16, and fell
+    short at 390 on an idle GPU). One launch per
     copy, each program resident on an SM for the copy's duration (a bounded number of
     CTAs): a spin kernel between chunks instead would wait for an SM behind every kernel of
     a busy step, and the copies fell short of or overshot the target by 30-80% beside a
@@ -73,7 +78,7 @@ def paced_copy_kernel() -> Any:
     import triton.language as tl
     from triton.language.extra.cuda import globaltimer
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["block_ps"])  # one compiled kernel for every pace
     def paced_copy(src, dst, n_words, block_ps, state, BLOCK: tl.constexpr):
         now = globaltimer()
         first = tl.atomic_cas(state, now * 0, now)  # state[0]: the first program's start

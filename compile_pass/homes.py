@@ -69,11 +69,10 @@ def paced_copy_kernel() -> Any:
     pace not divisible by 16 (390 GB/s: 168,041 ps a block) would compile a second kernel,
     seconds long, inside the first paced copy, where calibration's unpaced 0 had compiled
     the first (the kernel's first H100 run held 200 GB/s, whose pace divides by 16, and fell
-    short at 390 on an idle GPU). One launch per
-    copy, each program resident on an SM for the copy's duration (a bounded number of
-    CTAs): a spin kernel between chunks instead would wait for an SM behind every kernel of
-    a busy step, and the copies fell short of or overshot the target by 30-80% beside a
-    prefill on the H100 (2026-12-06)."""
+    short at 390 on an idle GPU). One launch per copy, each program resident on an SM for
+    the copy's duration (a bounded number of CTAs): a spin kernel between chunks instead
+    would wait for an SM behind every kernel of a busy step, and the copies fell short of or
+    overshot the target by 30-80% beside a prefill on the H100 (2026-12-06)."""
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import globaltimer

@@ -109,14 +109,13 @@ class Pacer:
     What the schedule cannot see is the time a copy takes beyond it: the kernel's launch from
     the host and its wait for a first SM, and blocks that could not keep their deadlines
     beside a busy step. On the H100 (2026-12-06) copies of a Qwen3-8B-sized layer scheduled
-    for 1.25 ms (390 GB/s) took about 1.5 ms beside a prefill (323 GB/s), and fell short on an
-    idle GPU too. So each copy is timed with two CUDA
-    events, the time it took beyond its schedule (its *lag*) is averaged per copy size, and
-    the next copies are scheduled faster by what makes schedule plus lag take ``nbytes /
-    target``, up to unpaced. The lag does not depend on the schedule it was measured under,
-    so measurements that land late (a step queues two copies a level before the first ends)
-    cannot make the loop overshoot. :attr:`achieved_GBps` is the moving average of what the
-    copies reached, the emulated link's figure in the serving report."""
+    for 1.25 ms (390 GB/s) took about 1.5 ms beside a prefill (323 GB/s). So each copy is
+    timed with two CUDA events, the time it took beyond its schedule (its *lag*) is averaged
+    per copy size, and the next copies are scheduled faster by what makes schedule plus lag
+    take ``nbytes / target``, up to unpaced. The lag does not depend on the schedule it was
+    measured under, so measurements that land late (a step queues two copies a level before
+    the first ends) cannot make the loop overshoot. :attr:`achieved_GBps` is the moving
+    average of what the copies reached, the emulated link's figure in the serving report."""
 
     GAIN = 0.5  # the share of a copy's measured lag taken into the average
     SMOOTHING = 0.1  # weight of the newest copy in :attr:`achieved_GBps`

@@ -83,19 +83,18 @@ class ChangeAudit:
 
     def __init__(self, changer: LevelChanger) -> None:
         self.kv = {g: self.group(changer.kv, g) for g in changer.kv.backed}
-        self.weights = {
-            pack.index: checksum(pack.flat) for pack in self.resident(changer, changer.level)
-        }
+        self.weights = {pack.index: checksum(pack.flat) for pack in self.resident(changer)}
 
     @staticmethod
     def group(kv: VmmKVCache, group: int) -> int:
         return sum(checksum(view) for view in kv.group_bytes(group))
 
     @staticmethod
-    def resident(changer: LevelChanger, level: int) -> list[LayerPack]:
+    def resident(changer: LevelChanger) -> list[LayerPack]:
+        """The layers holding their own pages at the changer's level."""
         from dynoff.compile_pass.pairing import is_offloaded
 
-        n = changer.placement.num_layers
+        n, level = changer.placement.num_layers, changer.level
         return [p for p in changer.placement.packs if not is_offloaded(p.index, level, n)]
 
     def check(self, changer: LevelChanger) -> tuple[str, ...]:
@@ -105,7 +104,7 @@ class ChangeAudit:
             for g, before in self.kv.items()
             if g in changer.kv.backed and self.group(changer.kv, g) != before
         ]
-        for pack in self.resident(changer, changer.level):
+        for pack in self.resident(changer):
             before = self.weights.get(pack.index)
             if before is not None:
                 if checksum(pack.flat) != before:

@@ -28,7 +28,8 @@ def test_paced_copies_from_a_device_home_reach_the_target_and_land_exactly(targe
     assert all(src.is_cuda for src in engine.sources.values())
     engine.pacer = homes.Pacer(target)
     engine.pacer.calibrate(engine.sources[0])
-    assert engine.pacer.raw_GBps > target  # the copy kernel, unpaced, outruns the link
+    # The copy kernel, unpaced on the programs calibration kept, outruns the link with room.
+    assert engine.pacer.raw_GBps >= homes.HEADROOM * target, engine.pacer.raw_GBps
     for _ in range(3):
         for layer in engine.sources:
             engine.prefetch(layer)

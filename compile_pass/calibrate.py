@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from dynoff.compile_pass.levels import LevelChanger
+from dynoff.compile_pass.levels import LevelChanger, RanksDivergedError
 from dynoff.policy.geometry import CapacityPlan
-from dynoff.policy.messages import Calibration, OffloadCommand
+from dynoff.policy.messages import Calibration, OffloadCommand, ResizeOutcome
 
 logger = init_logger("vllm.dynoff.calibrate")
 
@@ -111,7 +111,8 @@ def decode_steps(
 
 
 class CalibrationLeftLevel(RuntimeError):
-    """The calibration's change back to level 0 failed twice: this rank cannot serve at the
+    """The calibration's change back to level 0 failed twice, or a change tore the rank
+    (:class:`~dynoff.compile_pass.levels.RanksDivergedError`): this rank cannot serve at the
     level the scheduler starts from. Start-up stops with this error, never silently."""
 
 
@@ -123,15 +124,25 @@ def level_change(
     change rolls back); a failed change down is tried once more, then raises
     :class:`CalibrationLeftLevel`."""
     groups = tuple(range(plan.groups_at(0), plan.groups_at(1)))
-    up = levels.apply(OffloadCommand(-1, -1, 1, map_groups=groups))
+
+    def apply(command: OffloadCommand) -> ResizeOutcome:
+        try:
+            return levels.apply(command)
+        except RanksDivergedError as exc:  # no level to serve at: start-up must stop
+            raise CalibrationLeftLevel(
+                f"the calibration's level change to {command.target_level} left this rank "
+                f"at no level: {exc}"
+            ) from exc
+
+    up = apply(OffloadCommand(-1, -1, 1, map_groups=groups))
     if not up.ok:
         raise RuntimeError(f"calibration level change 0 -> 1 failed: {up.error}")
     try:
         at_level_1()
     finally:
-        down = levels.apply(OffloadCommand(-2, -1, 0, unmap_groups=groups))
+        down = apply(OffloadCommand(-2, -1, 0, unmap_groups=groups))
         if not down.ok:
-            down = levels.apply(OffloadCommand(-3, -1, 0, unmap_groups=groups))
+            down = apply(OffloadCommand(-3, -1, 0, unmap_groups=groups))
         if not down.ok:
             raise CalibrationLeftLevel(
                 f"the calibration's level change 1 -> 0 failed twice ({down.error}); this rank "

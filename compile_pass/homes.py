@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -114,11 +115,17 @@ class Pacer:
     per copy size, and the next copies are scheduled faster by what makes schedule plus lag
     take ``nbytes / target``, up to unpaced. The lag does not depend on the schedule it was
     measured under, so measurements that land late (a step queues two copies a level before
-    the first ends) cannot make the loop overshoot. :attr:`achieved_GBps` is the moving
+    the first ends) cannot make the loop overshoot. It is the median of the last
+    :data:`LAG_WINDOW` copies of a size, and none before :data:`LAG_MIN` have been timed:
+    one copy's one-off cost (its stream's first counters allocated, its first launch there)
+    would otherwise speed up the copies after it past the target (the H100's idle test at
+    390 GB/s reached 478, 2026-12-06, over six copies). :attr:`achieved_GBps` is the moving
     average of what the copies reached, the emulated link's figure in the serving report."""
 
-    GAIN = 0.5  # the share of a copy's measured lag taken into the average
+    LAG_WINDOW = 5  # copies of a size whose median lag schedules the next one
+    LAG_MIN = 3  # copies of a size timed before their lag is made up
     SMOOTHING = 0.1  # weight of the newest copy in :attr:`achieved_GBps`
+    HISTORY = 64  # recent copies kept for a report: (bytes, scheduled GB/s, elapsed ns)
 
     def __init__(self, target_GBps: float) -> None:
         block_ps(target_GBps)  # checks the target
@@ -126,7 +133,11 @@ class Pacer:
         self.raw_GBps = 0.0  # the unpaced kernel's copy at :attr:`programs`
         self.programs = PROGRAM_LADDER[-1]
         self.achieved_GBps: float | None = None  # moving average of the timed copies
-        self._lag_ns: dict[int, float] = {}  # per copy size: time taken beyond the schedule
+        # per copy size: the time the last copies took beyond their schedule
+        self._lags_ns: dict[int, collections.deque[float]] = {}
+        self.history: collections.deque[tuple[int, float, float]] = collections.deque(
+            maxlen=self.HISTORY
+        )
         self._state: dict[int, torch.Tensor] = {}  # per stream: (start, next block)
         self._timed: collections.deque[tuple[int, float, Any, Any]] = collections.deque()
 
@@ -152,11 +163,17 @@ class Pacer:
     def schedule_GBps(self, nbytes: int) -> float:
         """The rate the next copy of ``nbytes`` is scheduled at: faster than the target by
         what its measured lag needs, ``math.inf`` (unpaced) where no schedule leaves room."""
-        room_ns = nbytes / self.target_GBps - self._lag_ns.get(nbytes, 0.0)
+        room_ns = nbytes / self.target_GBps - self.lag_ns(nbytes)
         if room_ns <= 0:
             return math.inf
         rate = nbytes / room_ns
         return math.inf if self.raw_GBps and rate >= self.raw_GBps else rate
+
+    def lag_ns(self, nbytes: int) -> float:
+        """The lag the next copy of ``nbytes`` makes up: the median of the last copies', 0
+        before :data:`LAG_MIN` were timed."""
+        lags = self._lags_ns.get(nbytes, ())
+        return statistics.median(lags) if len(lags) >= self.LAG_MIN else 0.0
 
     def observe(self, nbytes: int, elapsed_ns: float, scheduled_GBps: float | None = None) -> None:
         """A copy of ``nbytes`` scheduled at ``scheduled_GBps`` (None: the current schedule)
@@ -168,8 +185,8 @@ class Pacer:
         if math.isinf(scheduled_GBps):
             scheduled_GBps = self.raw_GBps or math.inf
         lag = max(0.0, elapsed_ns - nbytes / scheduled_GBps)
-        old = self._lag_ns.get(nbytes)
-        self._lag_ns[nbytes] = lag if old is None else old + self.GAIN * (lag - old)
+        self._lags_ns.setdefault(nbytes, collections.deque(maxlen=self.LAG_WINDOW)).append(lag)
+        self.history.append((nbytes, scheduled_GBps, elapsed_ns))
         achieved = nbytes / elapsed_ns
         old = self.achieved_GBps
         self.achieved_GBps = achieved if old is None else old + self.SMOOTHING * (achieved - old)
@@ -178,13 +195,7 @@ class Pacer:
         nbytes = src.numel()
         if nbytes % WORD or src.data_ptr() % WORD or dst.data_ptr() % WORD:
             raise ValueError(f"paced copies move whole {WORD}-byte words ({nbytes} bytes)")
-        stream = torch.cuda.current_stream(src.device)
-        state = self._state.get(stream.cuda_stream)
-        if state is None:
-            state = self._state[stream.cuda_stream] = torch.zeros(
-                2, dtype=torch.int64, device=src.device
-            )
-        state.zero_()  # this stream's copies run one after another: the state is theirs
+        state = self._stream_state(torch.cuda.current_stream(src.device).cuda_stream, src.device)
         words = nbytes // WORD
         paced_copy_kernel()[(programs,)](
             src.view(torch.int64),
@@ -195,6 +206,21 @@ class Pacer:
             BLOCK=BLOCK_WORDS,
             num_warps=WARPS,
         )
+
+    def _stream_state(self, stream: int, device: Any) -> torch.Tensor:
+        """``stream``'s kernel counters (the first program's start, the next block), zeroed
+        for its next copy: a stream's copies run one after another, so they share them.
+        They are a normal tensor even when created inside inference mode: vLLM runs the
+        forward, and so the first prefetch, under ``torch.inference_mode``, and a lowering's
+        restore copy outside it zeroes the same counters, which an inference tensor refuses
+        (the H100's first device-home level change, 2026-12-06: "Inplace update to
+        inference tensor outside InferenceMode")."""
+        state = self._state.get(stream)
+        if state is None:
+            with torch.inference_mode(False):
+                state = self._state[stream] = torch.zeros(2, dtype=torch.int64, device=device)
+        state.zero_()
+        return state
 
     def _settle(self) -> None:
         """Account every timed copy that has finished (non-blocking, in order)."""

@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 
 from dynoff.allocator.kv_cache import VmmKVCache
-from dynoff.compile_pass.placement import LayerPack, WeightPlacement
+from dynoff.compile_pass.placement import LayerPack, TornPlacementError, WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.runtime import OffloadRuntime
 from dynoff.policy.messages import OffloadCommand, ResizeOutcome
@@ -220,6 +220,8 @@ class LevelChanger:
         self.kv.unmap_groups(groups)
         try:
             self.placement.lower_level(restore=self.engine.restore)
+        except TornPlacementError as exc:  # the weights match no level: no undo makes one
+            raise self._torn("lowering", exc) from exc
         except Exception as exc:
             self._undo(lambda: self.kv.map_groups(groups), exc, "lowering")
             raise
@@ -230,13 +232,18 @@ class LevelChanger:
         try:
             undo()
         except Exception as exc:
-            raise TornChangeError(
-                f"dynamic offload: rank {self.rank} failed {what} from level {self.level} "
-                f"({type(cause).__name__}: {cause}) and could not undo its first half "
-                f"({type(exc).__name__}: {exc}); its KV groups and weights match no level, "
-                "so it stops rather than serve on unmapped pages. Restart the server; if it "
-                'recurs, set "policy": {"max_level": 0} and report it'
-            ) from exc
+            raise self._torn(what, cause, exc) from exc
+
+    def _torn(self, what: str, cause: Exception, undo: Exception | None = None) -> TornChangeError:
+        undone = (
+            f" and could not undo its first half ({type(undo).__name__}: {undo})" if undo else ""
+        )
+        return TornChangeError(
+            f"dynamic offload: rank {self.rank} failed {what} from level {self.level} "
+            f"({type(cause).__name__}: {cause}){undone}; its KV groups and weights match no "
+            "level, so it stops rather than serve on unmapped pages. Restart the server; if "
+            'it recurs, set "policy": {"max_level": 0} and report it'
+        )
 
     def revert(self, command: OffloadCommand, old_level: int) -> None:
         """Undo a command this rank applied because another rank failed it. If the undo

@@ -42,6 +42,11 @@ from dynoff.compile_pass.pairing import half, pair_index
 ALIGN = 256  # bytes; every parameter view starts on a 256-byte boundary
 
 
+class TornPlacementError(RuntimeError):
+    """A lowering failed after it mapped the layer's own pages, and sharing the region
+    again failed too: the layer's range matches no level."""
+
+
 class UnequalLayersError(ValueError):
     """The decoder layers differ in size or layout, so they cannot share regions."""
 
@@ -200,13 +205,34 @@ class WeightPlacement:
         # level change waited for the queued work).
         start = time.perf_counter()
         assert dst.cpu is not None
-        if restore is not None:
-            restore(j)
-        else:
-            dst.flat.copy_(dst.cpu)
-            if dst.flat.is_cuda:
-                torch.cuda.synchronize(dst.flat.device)
+        try:
+            if restore is not None:
+                restore(j)
+            else:
+                dst.flat.copy_(dst.cpu)
+                if dst.flat.is_cuda:
+                    torch.cuda.synchronize(dst.flat.device)
+        except Exception as exc:  # j shares i's region again and the pages go back
+            self._share_again(j, pages, exc)
+            raise
         self.last_copy_ms = (time.perf_counter() - start) * 1e3
         dst.pages = pages
         self.level -= 1
         return pages
+
+    def _share_again(self, j: int, pages: list[int], cause: Exception) -> None:
+        """Undo a lowering's mapping of layer ``j``'s own ``pages`` (its restore failed with
+        ``cause``): ``j`` reads its partner's region again and the pages return to the pool,
+        so that the level change can give its KV groups back. Without it the pages stayed
+        taken, and the KV undo found the pool empty (the H100's first device-home lowering,
+        2026-12-06, whose restore failed: "page pool exhausted ... 0 of 2268 are free")."""
+        n = self.pages_per_layer
+        i = j - half(self.num_layers)
+        try:
+            self.arena.alias(self.packs[i].range, range(n), self.packs[j].range, range(n), True)
+            self.arena.free_pages(pages)
+        except Exception as exc:
+            raise TornPlacementError(
+                f"layer {j}'s restore failed ({type(cause).__name__}: {cause}) and it could not "
+                f"share layer {i}'s region again ({type(exc).__name__}: {exc})"
+            ) from exc

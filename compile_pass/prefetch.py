@@ -137,8 +137,12 @@ class PrefetchEngine:
         change returns at once, and the step after it waits for the copy only where the
         layer runs (``wait``, which the ops call for a restoring layer at any level; the
         runtime keeps that step off FULL graphs, which would skip the op)."""
-        self._shows[layer] = layer
-        self._copy_in(layer, "restore")
+        shown, self._shows[layer] = self._shows[layer], layer
+        try:
+            self._copy_in(layer, "restore")
+        except Exception:  # the lowering shares the region again: it shows what it showed
+            self._shows[layer] = shown
+            raise
         if self.on_cuda:
             self.restoring.add(layer)
 

@@ -24,7 +24,14 @@ on the H100 (2026-12-06) stock's piecewise mode moved 239 of 256 requests away f
 default graph mode, from the first tokens, while every plugin engine (``k0``, ``forced``,
 ``forced-pw``) stayed within 4 of 256 of stock (why is not known); it measures vLLM's own graph
 modes. Every engine sees the same first batch on a cold prefix cache; KV capacity is ample at
-every level, so all engines schedule the same batches. It reports token identity between them,
+every level, so all engines schedule the same batches. For that the identity phase runs vLLM's
+engine core in the generating process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that all the
+requests are queued before the first step: with the core in its own process the first step
+starts when the first few requests have arrived (1 or 4 of 256 on the H100, 2026-12-06), the
+batches then differed from step 1 between ``forced0-pw`` and ``forced-pw``, and 1 of 256
+requests differed at position 220. Each plugin engine's schedule (waiting and running
+requests per step, from its trace) is reported beside the tokens (``schedules``): a pair
+compared on different batches says so. It reports token identity between them,
 the k = 0 throughput ratio (best of ``--repeats`` batches, distinct prompts each, after a
 warm-up) and the decode step time at batch ``--decode-batch`` (median of 3). Engines can be
 split over several calls on one warm machine (``--engines``): each engine's result stays in
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -190,6 +198,24 @@ def run_engine(mode: str, model: str, out: Path, trace: Path, args: argparse.Nam
     out.write_text(json.dumps(result))
 
 
+def batch_schedule(trace: Path) -> list[list[int]]:
+    """[waiting, running] after each step's schedule, in step order, from a plugin trace."""
+    steps = {}
+    for line in trace.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("kind") == "step":
+            steps[row["step"]] = [row["waiting"], row["running"]]
+    return [steps[s] for s in sorted(steps)]
+
+
+def schedule_divergence(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
+    """Whether two engines scheduled the same batches, and the first step they did not."""
+    first = next((n for n, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if first is None and len(a) != len(b):
+        first = min(len(a), len(b))
+    return {"identical": first is None, "first_step": None if first is None else first + 1}
+
+
 def first_divergence(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
     differing = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
     positions = [
@@ -230,6 +256,11 @@ def compare(engines: dict[str, Any], outputs: dict[str, list[list[int]]]) -> dic
             for a, b in pairs
             if a in outputs and b in outputs
         }
+    }
+    report["schedules"] = {
+        f"{a}_vs_{b}": schedule_divergence(engines[a]["schedule"], engines[b]["schedule"])
+        for a, b in pairs
+        if "schedule" in engines.get(a, {}) and "schedule" in engines.get(b, {})
     }
     if "stock" in outputs:
         report["requests"] = len(outputs["stock"])
@@ -368,7 +399,10 @@ def main() -> None:
         cmd = [sys.executable, "-m", "bench.gpu.e2e_correctness", *sys.argv[1:]]
         cmd += ["--engine", mode, str(out), str(trace)]
         print(f"[e2e] engine {mode} ...", flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=580)
+        env = dict(os.environ)
+        if args.phase == "identity":  # every request queued before the first step
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=580, env=env)
         (logs / f"{mode}.log").write_text(proc.stdout[-20000:] + proc.stderr[-60000:])
         if proc.returncode != 0:
             results["engines"][mode] = {"error": proc.stderr[-3000:]}
@@ -377,6 +411,7 @@ def main() -> None:
         result = json.loads(out.read_text())
         if trace.exists():
             result["trace"] = summarize_trace(trace)
+            result["schedule"] = batch_schedule(trace)
             (logs / f"{mode}_trace.jsonl").write_text(trace.read_text()[-2_000_000:])
         results["engines"][mode] = result
         out.write_text(json.dumps(result))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.gpu import e2e_correctness as e2e
 from bench.gpu.e2e_correctness import combine
 
 
@@ -108,3 +109,27 @@ def test_the_forced_engine_is_judged_against_its_own_configuration_held_at_0(
     assert identity["forced-wrong-pw_vs_forced0-pw"]["requests_differing"] == 1
     # Without forced0-pw the pair falls back to k0-pw, and here fails.
     assert combine([first])["token_identical_piecewise"] is False
+
+
+def test_the_schedules_say_whether_a_pair_ran_the_same_batches(tmp_path: Path) -> None:
+    """On the H100 (2026-12-06) forced0-pw's first step ran 4 requests and forced-pw's 1 (the
+    engine core in its own process had started before all 256 arrived), so the pair ran
+    different batches and 1 request differed at position 220: the report says so beside
+    the tokens, from each engine's trace."""
+    same = [[0, 0], [192, 64], [0, 256]]
+    trace = tmp_path / "forced-pw.jsonl"
+    rows = [{"kind": "event", "event": "plan"}]
+    rows += [
+        {"kind": "step", "step": n + 1, "waiting": w, "running": r}
+        for n, (w, r) in enumerate([[0, 0], [195, 61], [0, 256]])
+    ]
+    trace.write_text("\n".join(json.dumps(r) for r in reversed(rows)))
+    raced = e2e.batch_schedule(trace)
+    assert raced == [[0, 0], [195, 61], [0, 256]]
+    tokens = {"forced0-pw": [[1]], "forced-pw": [[1]], "k0-pw": [[1]]}
+    engines = {"forced0-pw": {"schedule": same}, "forced-pw": {"schedule": raced}, "k0-pw": {}}
+    schedules = e2e.compare(engines, tokens)["schedules"]
+    assert schedules == {"forced0-pw_vs_forced-pw": {"identical": False, "first_step": 2}}
+    engines["forced-pw"]["schedule"] = same
+    schedules = e2e.compare(engines, tokens)["schedules"]
+    assert schedules["forced0-pw_vs_forced-pw"] == {"identical": True, "first_step": None}

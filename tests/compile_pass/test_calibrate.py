@@ -107,3 +107,20 @@ def test_one_fault_in_the_change_down_is_retried(monkeypatch) -> None:
     assert len(downs) == 2 and cal.stall_down_ms > 0
     assert levels.level == 0 and sorted(kv.backed) == list(range(8))
     assert torch.equal(model(x), reference)
+
+
+def test_a_change_that_tears_the_rank_stops_start_up(monkeypatch) -> None:
+    """The change down's restore fails and its undo fails in the driver: the rank is at no
+    level. On the H100 (2026-12-06) the worker caught that as a failed calibration, logged
+    that it stops, and served on, with the weights at level 1 and the scheduler at 0. The
+    calibration raises the error that stops start-up."""
+    _, levels, arena, _ = rank()
+
+    def failing(layer: int, what: str, timed: bool = False) -> None:
+        arena._inject_failure(0)  # sharing the region again fails in the driver too
+        raise RuntimeError("the restore copy failed")  # a fault on demand
+
+    monkeypatch.setattr(levels.engine, "_copy_in", failing)
+    with pytest.raises(calibrate.CalibrationLeftLevel, match=r"at no level.*restore copy failed"):
+        calibrate.calibrate(levels, PLAN, None, max_batch=64, cuda=False)
+    arena._inject_failure(-1)

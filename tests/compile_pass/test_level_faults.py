@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynoff.compile_pass.levels import LevelChanger
+from dynoff.compile_pass.levels import LevelChanger, TornChangeError
 from dynoff.policy.messages import OffloadCommand
 from tests.compile_pass.rigs import host_level_changer
 
@@ -65,3 +65,42 @@ def test_a_driver_error_at_any_operation_leaves_the_rank_at_its_old_level(start,
     else:
         pytest.fail("no change succeeded in 200 tries")
     assert failures >= 8  # 10 driver calls up, 11 down, on this rig
+
+
+def test_a_failed_restore_copy_leaves_the_rank_at_its_old_level(monkeypatch) -> None:
+    """A lowering maps layer j's own pages, then copies it back from its home. When that copy
+    fails (the device home's pacer on the H100, 2026-12-06), j must share its partner's
+    region again and its pages go back to the pool: the KV undo then finds them. Before,
+    the pages stayed taken, the KV undo found the pool empty, and the rank was torn."""
+    levels = rig(1)
+    before = snapshot(levels)
+    copy_in = levels.engine._copy_in
+
+    def failing(layer: int, what: str, timed: bool = False) -> None:
+        if what == "restore":
+            raise RuntimeError("the restore copy failed")  # a fault on demand
+        copy_in(layer, what, timed)
+
+    monkeypatch.setattr(levels.engine, "_copy_in", failing)
+    outcome = levels.apply(DOWN)
+    assert not outcome.ok and "the restore copy failed" in outcome.error
+    assert snapshot(levels) == before and weights_intact(levels)
+    monkeypatch.setattr(levels.engine, "_copy_in", copy_in)
+    assert levels.apply(DOWN).ok and levels.level == 0 and weights_intact(levels)
+
+
+def test_a_restore_that_cannot_be_undone_stops_the_rank(monkeypatch) -> None:
+    """The restore fails and sharing the region again fails in the driver: the rank's
+    weights match no level, and the change raises (the engine stops) instead of reporting a
+    plain failure the scheduler would serve on."""
+    levels = rig(1)
+    arena = levels.placement.arena
+
+    def failing(layer: int, what: str, timed: bool = False) -> None:
+        arena._inject_failure(0)  # the undo's first driver call fails too
+        raise RuntimeError("the restore copy failed")
+
+    monkeypatch.setattr(levels.engine, "_copy_in", failing)
+    with pytest.raises(TornChangeError, match="could not share layer 0's region again"):
+        levels.apply(DOWN)
+    arena._inject_failure(-1)

@@ -29,7 +29,8 @@ engine core in the generating process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
 requests are queued before the first step: with the core in its own process the first step
 starts when the first few requests have arrived (1 or 4 of 256 on the H100, 2026-12-06), the
 batches then differed from step 1 between ``forced0-pw`` and ``forced-pw``, and 1 of 256
-requests differed at position 220. Each plugin engine's schedule (waiting and running
+requests differed at position 220, which that pair could not lay on the batches or on the
+level changes. Each plugin engine's schedule (waiting and running
 requests per step, from its trace) is reported beside the tokens (``schedules``): a pair
 compared on different batches says so. It reports token identity between them,
 the k = 0 throughput ratio (best of ``--repeats`` batches, distinct prompts each, after a

@@ -73,7 +73,7 @@ def _timed_steps(step: Callable[[], None], count: int) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from dynoff.compile_pass.homes import Pacer
+    from dynoff.compile_pass.homes import WORD, Pacer
     from tests.compile_pass.toy_model import ToyDecoder
 
     torch.manual_seed(0)
@@ -84,7 +84,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     host = torch.empty(layer_bytes, dtype=torch.uint8, pin_memory=True)
     home = torch.empty(layer_bytes, dtype=torch.uint8, device="cuda")
     region = torch.empty(layer_bytes, dtype=torch.uint8, device="cuda")
-    pacer = Pacer(args.home_GBps)
+    shape: dict[str, int] = {}  # the copy kernel's program shape, where the command sets it
+    if args.block_kib is not None:
+        shape["block_words"] = args.block_kib * 1024 // WORD
+    if args.warps is not None:
+        shape["warps"] = args.warps
+    pacer = Pacer(args.home_GBps, **shape)
     pacer.calibrate(home)
     side = torch.cuda.Stream()
 
@@ -157,6 +162,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "by_construction": {
             "hbm_bytes_per_byte_moved": {"host_pcie": 1, "device_paced": 2, "device_unpaced": 2},
             "copy_programs": pacer.programs,
+            "copy_program_warps": pacer.warps,
+            "copy_block_bytes": pacer.block_words * WORD,
             "multi_processor_count": props.multi_processor_count,
         },
         "emulation": "device_paced and device_unpaced are the fast-link emulation, not a link",
@@ -190,6 +197,10 @@ def main() -> None:
         "pacer's moving average of what they reached settles on this step's load",
     )
     parser.add_argument("--home-GBps", type=float, default=390.0)
+    parser.add_argument(
+        "--block-kib", type=int, default=None, help="the copy kernel's block (default: 64)"
+    )
+    parser.add_argument("--warps", type=int, default=None, help="its programs' warps (default: 8)")
     args = parser.parse_args()
     result = run(args)
     write_results(args.out, result)

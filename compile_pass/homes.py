@@ -127,9 +127,14 @@ class Pacer:
     SMOOTHING = 0.1  # weight of the newest copy in :attr:`achieved_GBps`
     HISTORY = 64  # recent copies kept for a report: (bytes, scheduled GB/s, elapsed ns)
 
-    def __init__(self, target_GBps: float) -> None:
+    def __init__(
+        self, target_GBps: float, block_words: int = BLOCK_WORDS, warps: int = WARPS
+    ) -> None:
         block_ps(target_GBps)  # checks the target
         self.target_GBps = target_GBps
+        # A program's shape: the words it claims and keeps in flight at a time, its warps.
+        # Wider programs need fewer of them for a rate, so fewer SMs (bench.interference).
+        self.block_words, self.warps = block_words, warps
         self.raw_GBps = 0.0  # the unpaced kernel's copy at :attr:`programs`
         self.programs = PROGRAM_LADDER[-1]
         self.achieved_GBps: float | None = None  # moving average of the timed copies
@@ -203,8 +208,8 @@ class Pacer:
             words,
             pace_ps,
             state,
-            BLOCK=BLOCK_WORDS,
-            num_warps=WARPS,
+            BLOCK=self.block_words,
+            num_warps=self.warps,
         )
 
     def _stream_state(self, stream: int, device: Any) -> torch.Tensor:
@@ -232,7 +237,7 @@ class Pacer:
         self._settle()
         nbytes = src.numel()
         scheduled = self.schedule_GBps(nbytes)
-        pace_ps = 0 if math.isinf(scheduled) else block_ps(scheduled)
+        pace_ps = 0 if math.isinf(scheduled) else block_ps(scheduled, self.block_words)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         self._launch(dst, src, self.programs, pace_ps)
@@ -242,8 +247,9 @@ class Pacer:
     def describe(self) -> str:
         return (
             f"paced to {self.target_GBps:.0f} GB/s by a copy kernel on {self.programs} "
-            f"programs (CTAs; unpaced {self.raw_GBps:.0f} GB/s on them), each copy's launch "
-            "and waits made up from its schedule"
+            f"programs (CTAs of {self.warps} warps, {self.block_words * WORD >> 10} KiB "
+            f"blocks; unpaced {self.raw_GBps:.0f} GB/s on them), each copy's launch and waits "
+            "made up from its schedule"
         )
 
 

@@ -211,13 +211,16 @@ class MetricsSampler(threading.Thread):
         self.port, self.period_s = port, period_s
         self.samples: list[dict[str, float]] = []
         self._done = threading.Event()
-        self._t0 = time.monotonic()
+        # vllm bench serve stamps each request with time.perf_counter (CLOCK_MONOTONIC on
+        # Linux, shared by every process): the samples share its clock, so that the client's
+        # first send can be placed among them (client_result's traffic_start_s).
+        self.t0 = time.perf_counter()
 
     def run(self) -> None:
         while True:
             try:
                 sample = read_metrics(self.port)
-                self.samples.append({"t": round(time.monotonic() - self._t0, 2), **sample})
+                self.samples.append({"t": round(time.perf_counter() - self.t0, 2), **sample})
             except OSError:
                 pass
             if self._done.wait(self.period_s):
@@ -349,7 +352,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "client_command": client_cmd,
                 "startup_s": round(startup_s, 1),
                 "point_index": index,
-                "client": client_result(work / "client.json"),
+                "client": client_result(work / "client.json", sampler.t0),
                 "server_metrics": server_metrics,
                 "server_log_tail": log.read_text(errors="replace")[-6000:],
             }
@@ -387,11 +390,16 @@ def disconnected_failures(client: dict[str, Any]) -> int:
     return kinds.count("disconnected")
 
 
-def client_result(path: Path) -> dict[str, Any]:
+def client_result(path: Path, t0: float | None = None) -> dict[str, Any]:
     """vLLM's result without its per-request arrays (``--save-detailed`` writes them so
     that a failed request's error is kept), plus ``failures``: each failed request's index,
-    prompt length, kind (:func:`failure_kind`) and error text."""
+    prompt length, kind (:func:`failure_kind`) and error text, and, given the metrics
+    sampler's start ``t0`` (``time.perf_counter``), ``traffic_start_s``: the first request's
+    send on the samples' clock."""
     result = json.loads(path.read_text())
+    starts = result.get("start_times") or []
+    if t0 is not None and starts:
+        result["traffic_start_s"] = round(min(starts) - t0, 2)
     errors = result.pop("errors", None) or []
     lens = result.get("input_lens") or []
     result["failures"] = [

@@ -132,3 +132,38 @@ def test_interference_is_carried_and_workloads_are_kept_apart(tmp_path: Path) ->
     assert result["workloads"]["longoutput"]["ratios"]["390GBps"]["dynamic_over_stock"] == (
         pytest.approx(0.99 / 0.98, abs=1e-4)
     )
+
+
+def test_a_rate_is_judged_over_its_arrivals_and_its_ttft(tmp_path: Path) -> None:
+    """On the H100 (2026-12-06) ``vllm bench serve`` sent its first request 35 s after the
+    server's queue was first sampled, and a long-output trace fills the KV late: a window
+    from 0 read an idle queue and called 0.8 req/s sustained where 0.2 was served. The
+    window starts at the first request (the client's send, else the first busy sample),
+    and a sustained rate keeps P99 TTFT within the simulator's bound."""
+    late = record(None, 0.62, 0.8, 0.2, workload="longoutput")
+    # idle 35 s, then running requests, and a queue that grows from t = 70 s
+    late["server_metrics"]["samples"] = [
+        {"t": float(t), "running": float(t >= 35), "waiting": float(max(0, t - 70))}
+        for t in range(150)
+    ]
+    slow = record(None, 0.62, 0.5, 0.5, workload="slow")
+    slow["client"]["p99_ttft_ms"] = 5000.0
+    sent = record(None, 0.62, 0.8, 0.2, workload="sent")
+    sent["server_metrics"]["samples"] = late["server_metrics"]["samples"]
+    sent["client"]["traffic_start_s"] = 95.0  # its own first send: after the growth
+    result = report(write_records(tmp_path, [late, slow, sent]))
+
+    def only_row(report_: dict[str, Any], workload: str) -> dict[str, Any]:
+        (system,) = report_["workloads"][workload]["systems"].values()  # stock alone
+        (row,) = system["rates"]
+        return row
+
+    row = only_row(result, "longoutput")
+    assert row["queue_window_s"] == [35.0, 95.0] and row["queue_slope"] > 0.3
+    assert not row["sustainable"]
+    row = only_row(result, "slow")
+    assert row["queue_slope"] < 0.01 and not row["sustainable"]  # P99 TTFT 5 s
+    assert only_row(result, "sent")["queue_window_s"] == [95.0, 155.0]
+    assert "P99 TTFT <= 1000 ms" in result["sustained_rule"]
+    lax = report(write_records(tmp_path, [slow]), ttft_bound_ms=6000.0)
+    assert only_row(lax, "slow")["sustainable"]

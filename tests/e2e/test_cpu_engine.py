@@ -4,8 +4,10 @@ greedy sampling), one engine per subprocess.
 * Forced level schedule (0 -> 2 -> 1 -> 2 -> 0 while decoding): outputs token-identical to
   the same engine without offloading; the same schedule with every offloaded layer copied in
   with its partner's weights (the negative control) is not. The 6 requests fit level 0's KV
-  capacity, so both engines schedule identical batches and any difference would come from
-  the weights.
+  capacity and each engine's core runs in its generating process (all requests queued before
+  the first step; in its own process the core starts when the first ones arrive, and on the
+  GPU two engines' first batches so differed), so both engines schedule identical batches
+  and any difference would come from the weights.
 * Many requests (40, mixed lengths) from the top level down to 0: token-identical to the
   plugin held at k = 0, on KV that moved (the climb's groups keep live blocks while the
   lowerings unmap groups mapped at start-up).
@@ -43,6 +45,8 @@ def run_engine(mode: str, model: str, tmp: Path, tp: int = 1) -> dict:
     if mode != "reference":
         cmd += ["--trace", str(trace)]
     env = dict(os.environ)
+    if tp == 1:  # the engine core in this process: every request queued before the first step
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if tp > 1:  # vLLM's CPU engine binds each rank's threads to its own core
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, sorted(os.sched_getaffinity(0))[:tp]))
     run_checked(cmd, tmp / f"{mode}-tp{tp}.log", env=env)

@@ -45,8 +45,8 @@ def run_engine(mode: str, model: str, tmp: Path, tp: int = 1) -> dict:
     if mode != "reference":
         cmd += ["--trace", str(trace)]
     env = dict(os.environ)
-    if tp == 1:  # the engine core in this process: every request queued before the first step
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if tp == 1 and mode != "live":  # identity: every request queued before the first step
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (the engine core in this process)
     if tp > 1:  # vLLM's CPU engine binds each rank's threads to its own core
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, sorted(os.sched_getaffinity(0))[:tp]))
     run_checked(cmd, tmp / f"{mode}-tp{tp}.log", env=env)

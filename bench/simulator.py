@@ -392,6 +392,7 @@ class KVTierLink:
 def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, Any]]) -> dict:
     """Serve ``trace`` (``{"t", "prompt_len", "output_len"}`` per request) on the simulated
     clock; returns the client's view (as ``vllm bench serve`` reports it) and the levels."""
+    from tqdm import tqdm
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.outputs import ModelRunnerOutput
@@ -420,6 +421,8 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
         scheduler.offload.use_clock(lambda: now)
     made: list[Any] = []  # every request, for its preemption count at the end
     peak_kv = 0.0
+    # Requests finished, in a terminal only (a run of a few thousand requests takes minutes).
+    bar = tqdm(total=len(pending), desc=f"{args.system} (simulated)", unit="req", disable=None)
     while nxt < len(pending) or scheduler.has_requests():
         while nxt < len(pending) and pending[nxt]["t"] <= now:
             r = pending[nxt]
@@ -504,8 +507,10 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             for o in batch.outputs:
                 if o.finished:
                     done[o.request_id] = now
+                    bar.update()
         if args.system == "plugin" and scheduler.offload.level != levels[-1]:
             levels.append(scheduler.offload.level)
+    bar.close()
     summary = report(arrival, first, done, outputs, now, steps, levels)
     summary["preemptions"] = sum(r.num_preemptions for r in made)
     summary["peak_kv_usage"] = round(peak_kv, 4)

@@ -62,6 +62,12 @@ FALLBACK_PIECEWISE_PENALTY_MS = 0.0
 CONTEXT_ROUNDING = 3
 
 
+class LevelsDisagreeError(RuntimeError):
+    """A worker serves at another level than the scheduler's while no change is in flight:
+    blocks would be handed out on pages no worker maps, or kept on pages the workers took
+    back. Serving stops with this error."""
+
+
 class OffloadController:
     def __init__(
         self,
@@ -279,6 +285,15 @@ class OffloadController:
     def on_report(self, report: StepReport) -> None:
         if report.plans:
             self._check_plans(report.plans)
+        if self.inflight is None and report.level_now not in (None, self.level):
+            # On the H100 (2026-12-06) a torn calibration left the workers at level 1 while
+            # the scheduler served level 0 for a whole run, unseen; any such split stops here.
+            raise LevelsDisagreeError(
+                f"dynamic offload: the workers are at level {report.level_now} and the "
+                f"scheduler at level {self.level}, with no change in flight (step "
+                f"{report.step}): the KV blocks handed out would not match the pages mapped. "
+                'Restart the server; if it recurs, set "policy": {"max_level": 0} and report it'
+            )
         if report.calibration is not None:
             self._use_calibration(report.calibration)
         if report.timed:

@@ -141,8 +141,9 @@ class StepReport:
         calibration: the start-up measurements, on the first report only.
         plans: every rank's :class:`PlanReport`, on the first report only.
         last_command / level_now: the id of the last command this rank processed (applied
-            or refused; -1 before any) and the level it is at now: what settles a command
-            whose outcome report was lost.
+            or refused; -1 before any) and the level it is at now (None: not reported): what
+            settles a command whose outcome report was lost, and, with no command in flight,
+            must be the scheduler's level (:class:`~dynoff.policy.controller.LevelsDisagreeError`).
         restore_wait_ms: device time the compute stream waited for a lowering's
             asynchronous restore copy, over waits finished since the last report: the part
             of a change down that the change's own ``stall_ms`` does not see.
@@ -163,7 +164,7 @@ class StepReport:
     restore_wait_ms: float = 0.0
     plans: tuple[PlanReport, ...] = ()
     last_command: int = -1
-    level_now: int = 0
+    level_now: int | None = None
     num_context_tokens: int = 0
     link_GBps: float | None = None
 

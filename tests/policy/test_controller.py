@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dynoff.policy.block_pool import GroupState
 from dynoff.policy.config import DynamicOffloadConfig, PolicyConfig
-from dynoff.policy.controller import OffloadController
+from dynoff.policy.controller import LevelsDisagreeError, OffloadController
 from dynoff.policy.geometry import KVLayout, plan_capacity
 from dynoff.policy.latency import StepCost, StepShape
 from dynoff.policy.messages import OffloadCommand, ResizeOutcome, StepReport
@@ -374,3 +376,22 @@ def test_the_emulated_links_serving_bandwidth_reaches_the_trace_and_the_run_summ
     links = [e for e in events if e.get("event") == "link"]
     assert [(e["step"], e["GBps"]) for e in links] == [(128, 371.0), (256, 385.5), (384, 388.0)]
     assert plugin_summary(trace)["link_GBps_serving"] == 385.5
+
+
+def test_workers_at_another_level_with_no_change_in_flight_stop_serving(tmp_path) -> None:
+    """On the H100 (2026-12-06) a torn start-up calibration left the workers at level 1
+    while the scheduler served level 0 for a whole run, and nothing noticed: every report
+    said level 1. With no command in flight the workers' level must be the scheduler's."""
+    policy = PolicyConfig(rule="seed", cooldown_steps=0)
+    ctl, _ = controller(tmp_path, schedule=[(1, 1)], policy=policy)
+    ctl.on_report(StepReport(step=0, level=0, forward_ms=10.0, level_now=0))  # agree
+    ctl.on_report(StepReport(step=0, level=1, forward_ms=10.0))  # level_now not reported
+    with pytest.raises(LevelsDisagreeError, match="workers are at level 1 and the scheduler"):
+        ctl.on_report(StepReport(step=0, level=1, forward_ms=10.0, level_now=1))
+    # A change in flight: the workers may already be at its target.
+    up = ctl.on_schedule_start(1, 0, 0)
+    assert up is not None and ctl.inflight is up
+    ctl.on_report(lost(up, level_now=1))
+    ctl.on_report(ack(up, level=1))
+    assert ctl.inflight is None and ctl.level == 1
+    ctl.on_report(StepReport(step=2, level=1, forward_ms=10.0, level_now=1))

@@ -120,7 +120,7 @@ class Pacer:
     the host and its wait for a first SM, and blocks that could not keep their deadlines
     beside a busy step. On the H100 (2026-12-06) copies of a Qwen3-8B-sized layer scheduled
     for 1.25 ms (390 GB/s) took about 1.5 ms beside a prefill (323 GB/s). So each copy is
-    timed with two CUDA events, the time it took beyond its schedule (its *lag*) is averaged
+    timed with two CUDA events, the time it took beyond its schedule (its *lag*) is kept
     per copy size, and the next copies are scheduled faster by what makes schedule plus lag
     take ``nbytes / target``, up to unpaced. The lag does not depend on the schedule it was
     measured under, so measurements that land late (a step queues two copies a level before

@@ -175,12 +175,18 @@ class WeightPlacement:
         """k -> k+1. Returns the pool pages freed (now free in the arena's pool)."""
         if self.level >= self.max_level:
             raise ValueError(f"already at max_level={self.max_level}")
-        i, j = self.level, self.level + half(self.num_layers)
-        n = self.pages_per_layer
-        src, dst = self.packs[i], self.packs[j]
-        displaced = self.arena.alias(src.range, range(n), dst.range, range(n), replace=True)
-        self.arena.free_pages(displaced)
+        displaced = self._share(self.level + half(self.num_layers))
         self.level += 1
+        return displaced
+
+    def _share(self, j: int) -> list[int]:
+        """Map layer ``j``'s range onto its partner's pages (the shared region); the pages
+        ``j`` had go back to the pool, and are returned."""
+        n, i = self.pages_per_layer, j - half(self.num_layers)
+        displaced = self.arena.alias(
+            self.packs[i].range, range(n), self.packs[j].range, range(n), replace=True
+        )
+        self.arena.free_pages(displaced)
         return displaced
 
     def lower_level(self, restore: Callable[[int], None] | None = None) -> list[int]:
@@ -213,26 +219,24 @@ class WeightPlacement:
                 if dst.flat.is_cuda:
                     torch.cuda.synchronize(dst.flat.device)
         except Exception as exc:  # j shares i's region again and the pages go back
-            self._share_again(j, pages, exc)
+            self._share_again(j, exc)
             raise
         self.last_copy_ms = (time.perf_counter() - start) * 1e3
         dst.pages = pages
         self.level -= 1
         return pages
 
-    def _share_again(self, j: int, pages: list[int], cause: Exception) -> None:
-        """Undo a lowering's mapping of layer ``j``'s own ``pages`` (its restore failed with
+    def _share_again(self, j: int, cause: Exception) -> None:
+        """Undo a lowering's mapping of layer ``j``'s own pages (its restore failed with
         ``cause``): ``j`` reads its partner's region again and the pages return to the pool,
         so that the level change can give its KV groups back. Without it the pages stayed
         taken, and the KV undo found the pool empty (the H100's first device-home lowering,
         2026-12-06, whose restore failed: "page pool exhausted ... 0 of 2268 are free")."""
-        n = self.pages_per_layer
-        i = j - half(self.num_layers)
         try:
-            self.arena.alias(self.packs[i].range, range(n), self.packs[j].range, range(n), True)
-            self.arena.free_pages(pages)
+            self._share(j)
         except Exception as exc:
             raise TornPlacementError(
                 f"layer {j}'s restore failed ({type(cause).__name__}: {cause}) and it could not "
-                f"share layer {i}'s region again ({type(exc).__name__}: {exc})"
+                f"share layer {j - half(self.num_layers)}'s region again "
+                f"({type(exc).__name__}: {exc})"
             ) from exc

@@ -23,14 +23,25 @@ exactly: a lost KV page or a wrong layer would show there. ``stock-pw`` is no ya
 on the H100 (2026-12-06) stock's piecewise mode moved 239 of 256 requests away from stock's
 default graph mode, from the first tokens, while every plugin engine (``k0``, ``forced``,
 ``forced-pw``) stayed within 4 of 256 of stock (why is not known); it measures vLLM's own graph
-modes. Every engine sees the same first batch on a cold prefix cache; KV capacity is ample at
-every level, so all engines schedule the same batches. For that the identity phase runs vLLM's
-engine core in the generating process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that all the
-requests are queued before the first step: with the core in its own process the first step
-starts when the first few requests have arrived (1 or 4 of 256 on the H100, 2026-12-06), the
-batches then differed from step 1 between ``forced0-pw`` and ``forced-pw``, and 1 of 256
-requests differed at position 220, which that pair could not lay on the batches or on the
-level changes. Each plugin engine's schedule (waiting and running
+modes. Those differences, and ``k0-pw`` against ``forced0-pw`` (240 of 256, two configurations
+held at 0), came from Inductor, not from the plugin: each configuration compiles its own
+kernels, and Inductor times several block shapes for every reduction kernel (RMSNorm's among
+them) and keeps the fastest, whose summation order then sets the last bits. With weights that
+make every layer count, the last bits flip greedy tokens. On the H100 (2026-12-06)
+``forced0-pw`` and ``forced-pw`` ran the very same batches, and 240 of 256 requests differed,
+12 of them from their first token, which both engines computed at level 0 before any change. So
+the identity phase compiles every engine alike without timing: reductions take Inductor's one
+filtered configuration (``TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS=1``, the config its
+deterministic mode uses) and horizontal fusion is kept without its benchmark
+(:data:`UNTIMED_INDUCTOR`). Every engine sees the same first batch on a cold prefix cache; KV
+capacity is ample at every level, so all engines schedule the same batches. For that the
+identity phase runs vLLM's engine core in the generating process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that all the requests are queued before the first
+step: with the core in its own process the first step starts when the first few requests have
+arrived (1 or 4 of 256 on the H100, 2026-12-06), the batches then differed from step 1 between
+``forced0-pw`` and ``forced-pw``, and 1 of 256 requests differed at position 220, which that
+pair could not lay on the batches or on the level changes.
+Each plugin engine's schedule (waiting and running
 requests per step, from its trace) is reported beside the tokens (``schedules``): a pair
 compared on different batches says so. It reports token identity between them,
 the k = 0 throughput ratio (best of ``--repeats`` batches, distinct prompts each, after a
@@ -51,6 +62,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +93,22 @@ def forced_schedule(max_level: int) -> list[list[int]]:
     return schedule + [[start + 8 * n, level] for n, level in enumerate(downs)]
 
 
+# The identity phase's compilation: vLLM's default horizontal fusion (``combo_kernels``),
+# without the benchmark that picks it per kernel group by timing. With the environment below,
+# the engines of a pair compile the same kernels with the same configurations.
+UNTIMED_INDUCTOR = {"combo_kernels": True, "benchmark_combo_kernel": False}
+UNTIMED_ENV = {"TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS": "1"}
+
+
+def engine_env(phase: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment an engine's process runs in."""
+    env = dict(environ)
+    if phase == "identity":  # every request queued before the first step, kernels alike
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.update(UNTIMED_ENV)
+    return env
+
+
 def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=model,
@@ -94,6 +122,8 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
         compilation_config={"cudagraph_capture_sizes": CAPTURE},
         disable_log_stats=True,
     )
+    if args.phase == "identity":  # no kernel chosen by timing: see the module's docstring
+        kwargs["compilation_config"]["inductor_compile_config"] = dict(UNTIMED_INDUCTOR)
     if args.kv_offloading_size:  # vLLM's CPU KV tier, on every engine alike
         kwargs["kv_offloading_size"] = args.kv_offloading_size
     if args.weights == "distinct" or mode.startswith("forced-wrong"):
@@ -109,7 +139,7 @@ def engine_kwargs(mode: str, model: str, trace: str, args: argparse.Namespace) -
     from dynoff.compile_pass.config import dynoff_compilation_config
 
     if mode in ("partition", "split"):  # the route's compilation alone, no plugin
-        config = dynoff_compilation_config({"cudagraph_capture_sizes": CAPTURE}, mode)
+        config = dynoff_compilation_config(dict(graphs), mode)
         if mode == "partition":  # Inductor partitioning only: no pass, no ops
             config.pop("inductor_passes")
         # split: the ops are inserted and split at, and do nothing without the plugin
@@ -400,9 +430,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "bench.gpu.e2e_correctness", *sys.argv[1:]]
         cmd += ["--engine", mode, str(out), str(trace)]
         print(f"[e2e] engine {mode} ...", flush=True)
-        env = dict(os.environ)
-        if args.phase == "identity":  # every request queued before the first step
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env = engine_env(args.phase, os.environ)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=580, env=env)
         (logs / f"{mode}.log").write_text(proc.stdout[-20000:] + proc.stderr[-60000:])
         if proc.returncode != 0:

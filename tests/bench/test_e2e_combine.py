@@ -133,3 +133,37 @@ def test_the_schedules_say_whether_a_pair_ran_the_same_batches(tmp_path: Path) -
     engines["forced-pw"]["schedule"] = same
     schedules = e2e.compare(engines, tokens)["schedules"]
     assert schedules["forced0-pw_vs_forced-pw"] == {"identical": True, "first_step": None}
+
+
+def test_the_identity_phase_compiles_every_engine_without_timing() -> None:
+    """Inductor times several block shapes for each reduction kernel and keeps the fastest,
+    whose summation order sets the last bits: two engines compiled apart then differ from
+    their first tokens (240 of 256 on the H100, 2026-12-06, same batches, both at level 0).
+    Every identity engine, stock's and the plugin's, must compile without that timing; the
+    timed phases keep vLLM's defaults."""
+    import argparse
+
+    args = argparse.Namespace(
+        phase="identity",
+        gpu_memory_utilization=0.85,
+        live_memory_utilization=0.2,
+        kv_offloading_size=None,
+        weights="distinct",
+        route="split",
+        kv_layout="auto",
+        max_level=18,
+        audit=True,
+    )
+    modes = ["stock", "stock-pw", "split", "partition", "k0", "k0-pw", "forced", "forced-pw"]
+    modes += ["forced0-pw", "forced-wrong-pw"]
+    for mode in modes:
+        config = e2e.engine_kwargs(mode, "m", "t.jsonl", args)["compilation_config"]
+        assert config["inductor_compile_config"] == e2e.UNTIMED_INDUCTOR, mode
+    env = e2e.engine_env("identity", {"PATH": "/bin"})
+    assert env["TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS"] == "1"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["PATH"] == "/bin"
+
+    args.phase = "live"
+    config = e2e.engine_kwargs("live", "m", "t.jsonl", args)["compilation_config"]
+    assert "inductor_compile_config" not in config
+    assert "TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS" not in e2e.engine_env("live", {})

@@ -26,7 +26,9 @@ knee, or None: a lower bound only). For the plugin: ``link_GBps_target``, the ca
 ``link_GBps_achieved`` (on an idle GPU, at start-up), ``link_GBps_achieved_serving`` (the
 pacer's reports while serving, beside the steps' kernels; the lowest run's median) and
 ``levels_visited``. Per workload and link, the ratios
-``dynamic_over_stock`` and ``dynamic_over_best_static``, and ``ceiling_over_stock``.
+``dynamic_over_stock`` and ``dynamic_over_best_static``, and ``ceiling_over_stock``; and
+``at_same_rate``, the dynamic system's achieved rate and latencies over stock's at each offered
+rate both ran (a lone overloaded point has no sustainable rate on either side).
 """
 
 from __future__ import annotations
@@ -176,6 +178,33 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
 
+# Per offered rate both systems ran: how the dynamic system's figures compare with stock's.
+SAME_RATE_KEYS = {
+    "throughput": "achieved_rate",  # higher is better
+    "mean_e2el": "mean_e2el_ms",  # lower is better, and so on
+    "p99_e2el": "p99_e2el_ms",
+    "p99_ttft": "p99_ttft_ms",
+    "median_tpot": "median_tpot_ms",
+}
+
+
+def at_same_rate(ours: list[dict[str, Any]], stock: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The dynamic system over stock at every offered rate both ran, sustained or not. A
+    single overloaded point has no max sustainable rate on either side (the H100's long
+    outputs, 2026-12-06: both queues grew), yet the same arrivals served faster are a
+    result; these ratios say by how much, and the max sustainable rates stay the goal."""
+    by_rate = {row["target_rate"]: row for row in stock}
+    out = []
+    for row in ours:
+        base = by_rate.get(row["target_rate"])
+        if base is None:
+            continue
+        ratios = {name: _ratio(row.get(key), base.get(key)) for name, key in SAME_RATE_KEYS.items()}
+        both = bool(row["sustainable"]) and bool(base["sustainable"])
+        out.append({"target_rate": row["target_rate"], "both_sustained": both, **ratios})
+    return out
+
+
 def compare(systems: dict[str, Any]) -> dict[str, Any]:
     """Per link: the dynamic system against stock and against the best static level."""
     stock = systems.get("stock", {}).get("max_sustainable_rps")
@@ -197,6 +226,7 @@ def compare(systems: dict[str, Any]) -> dict[str, Any]:
             "best_static": best,
             "dynamic_over_best_static": _ratio(ours, statics.get(best)) if best else None,
             "exact": data["knee"] is not None and systems.get("stock", {}).get("knee") is not None,
+            "at_same_rate": at_same_rate(data["rates"], systems.get("stock", {}).get("rates", [])),
         }
     ceilings = [n for n in systems if n.startswith("stock_")]
     if ceilings:
@@ -240,6 +270,7 @@ def report(
             s.get("emulation") for w in workloads.values() for s in w["systems"].values()
         ),
         "note": EMULATION_NOTE,
+        "gpus": sorted({str((r.get("machine") or {}).get("gpu")) for r in runs} - {"None"}),
         "gpu_memory_utilization": plugin_util,
         "sustained_rule": (
             "no failed request, the waiting queue's slope over the trace's arrivals below "
@@ -272,9 +303,18 @@ def goals(workloads: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def card_name(gpu: str) -> str:
+    """``h100`` for "NVIDIA H100 80GB HBM3", ``h200`` for "NVIDIA H200", else the name."""
+    for word in gpu.replace("-", " ").split():
+        if word[:1] in "HBG" and word[1:].isdigit():
+            return word.lower()
+    return gpu.lower().replace(" ", "_")
+
+
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
-    """``fastlink_latency.png``: per workload, P99 and mean E2E against the offered rate, a
-    line per system; ``fastlink_levels.png``: the dynamic systems' level over time."""
+    """``fastlink_latency_<card>.png``: per workload, P99 and mean E2E against the offered
+    rate, a line per system; ``fastlink_levels_<card>.png``: the dynamic systems' level over
+    time. ``<card>`` names the runs' GPUs (``h100``), the emulation's host."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -282,7 +322,11 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     from matplotlib.ticker import MaxNLocator
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    tag = " (fast link EMULATED on one H200)" if result["emulation"] else ""
+    cards = [card_name(gpu) for gpu in result.get("gpus") or []]
+    card = "_".join(cards)
+    tag = f" (fast link EMULATED on one {'/'.join(c.upper() for c in cards) or 'GPU'})"
+    tag = tag if result["emulation"] else ""
+    suffix = f"_{card}" if card else ""
     workloads = result["workloads"]
     width = max(7.0, 5.0 * len(workloads))
     fig, axes = plt.subplots(1, len(workloads), figsize=(width, 4.0), squeeze=False)
@@ -291,14 +335,15 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
             rows = [r for r in summary["rates"] if isinstance(r["target_rate"], float | int)]
             xs = [r["target_rate"] for r in rows]
             (line,) = ax.plot(xs, [r["p99_e2el_ms"] / 1e3 for r in rows], marker="o", label=system)
-            ax.plot(xs, [r["mean_e2el_ms"] / 1e3 for r in rows], ls=":", color=line.get_color())
-        ax.set(xlabel="offered rate (req/s)", ylabel="E2E (s): P99 solid, mean dotted")
+            means = [r["mean_e2el_ms"] / 1e3 for r in rows]
+            ax.plot(xs, means, ls=":", marker="x", color=line.get_color())
+        ax.set(xlabel="offered rate (req/s)", ylabel="E2E (s): P99 solid o, mean dotted x")
         ax.set_title(workload, fontsize=10)
         ax.set_yscale("log")
         ax.legend(fontsize=7)
     fig.suptitle("Rate against latency under vllm serve" + tag, fontsize=10)
     fig.tight_layout()
-    paths = [out_dir / "fastlink_latency.png"]
+    paths = [out_dir / f"fastlink_latency{suffix}.png"]
     fig.savefig(paths[0], dpi=120)
     plt.close(fig)
 
@@ -320,7 +365,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_title("The policy's level over time" + tag, fontsize=10)
         ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
-        paths.append(out_dir / "fastlink_levels.png")
+        paths.append(out_dir / f"fastlink_levels{suffix}.png")
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
     return paths

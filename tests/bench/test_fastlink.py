@@ -167,3 +167,27 @@ def test_a_rate_is_judged_over_its_arrivals_and_its_ttft(tmp_path: Path) -> None
     assert "P99 TTFT <= 1000 ms" in result["sustained_rule"]
     lax = report(write_records(tmp_path, [slow]), ttft_bound_ms=6000.0)
     assert only_row(lax, "slow")["sustainable"]
+
+
+def test_an_overloaded_point_is_compared_at_its_offered_rate(tmp_path: Path) -> None:
+    """The H100's long outputs (2026-12-06): one offered rate, both queues grew, so neither
+    system has a max sustainable rate; the same arrivals' figures are compared instead,
+    each ratio the plugin's over stock's, and only at rates both ran."""
+    stock = record(None, 0.85, 0.8, 0.143, grows=True, workload="longoutput")
+    ours = record(FAST, 0.85, 0.8, 0.175, grows=True, workload="longoutput")
+    ours["client"].update(mean_e2el_ms=600.0, p99_ttft_ms=100.0, median_tpot_ms=24.0)
+    alone = record(FAST, 0.85, 0.4, 0.39, workload="longoutput")  # stock did not run 0.4
+    for run in (stock, ours, alone):
+        run["machine"] = {"gpu": "NVIDIA H100 80GB HBM3"}
+    result = report(write_records(tmp_path, [stock, ours, alone]))
+    assert result["gpus"] == ["NVIDIA H100 80GB HBM3"]  # the card the emulation ran on
+    paths = plot(result, tmp_path / "plots")
+    assert [p.name for p in paths] == ["fastlink_latency_h100.png", "fastlink_levels_h100.png"]
+    ratios = result["workloads"]["longoutput"]["ratios"]["390GBps"]
+    assert ratios["dynamic_over_stock"] is None  # stock sustained no rate
+    (point,) = ratios["at_same_rate"]
+    assert point["target_rate"] == 0.8 and point["both_sustained"] is False
+    assert point["throughput"] == pytest.approx(0.175 / 0.143, abs=1e-4)
+    assert point["mean_e2el"] == pytest.approx(600.0 / 800.0, abs=1e-4)
+    assert point["p99_e2el"] == pytest.approx(1.0) and point["p99_ttft"] == 0.5
+    assert point["median_tpot"] == pytest.approx(0.8)

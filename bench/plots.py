@@ -27,7 +27,7 @@ Simulator (``bench/results/simulator.json``; every figure a **simulation**):
 
     python -m bench.plots simulator bench/results/simulator.json --out bench/results/plots
 
-* ``simulator_validation.png``: each held-back H200 point's error, predicted against
+* ``simulator_validation.png``: each held-back point's error, predicted against
   measured, per metric and system, with the fast-link issue's bounds;
 * ``simulator_predictions.png``: P99 TTFT and throughput against the offered rate, stock and
   the plugin on each link, for Qwen3-32B's ShareGPT and long-output sweeps.
@@ -378,7 +378,9 @@ def plot_simulator_validation(result: dict[str, Any], out: Path) -> Path:
     axes[0].set_ylabel("predicted / measured - 1 (%)")
     axes[0].legend(fontsize=7)
     fig.suptitle(
-        "SIMULATION against held-back H200 runs (Qwen3-32B, 0.62, vllm serve, PCIe)", fontsize=10
+        "SIMULATION against held-back runs of Qwen3-32B under vllm serve: H200 at 0.62 over "
+        "PCIe; h100_*: an H100, the plugin on an EMULATED fast link",
+        fontsize=9,
     )
     fig.tight_layout()
     path = out / "simulator_validation.png"

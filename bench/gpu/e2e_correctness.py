@@ -56,9 +56,11 @@ the level should climb under pressure and come back down.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -98,6 +100,37 @@ def forced_schedule(max_level: int) -> list[list[int]]:
 # the engines of a pair compile the same kernels with the same configurations.
 UNTIMED_INDUCTOR = {"combo_kernels": True, "benchmark_combo_kernel": False}
 UNTIMED_ENV = {"TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS": "1"}
+
+
+ENGINE_TIMEOUT_S = 580.0
+LOG_HEAD, LOG_TAIL = 20_000, 80_000  # what an engine's log keeps, in characters
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float) -> int | None:
+    """Run one engine's process with its output streamed to ``log`` as it comes, so that a
+    run cut short keeps what it printed (the H100's twelfth-session calls lost an engine's
+    whole log to an outer ``timeout``: it was written only when the process ended). Returns
+    the exit code, or None when ``timeout_s`` ran out: then the engine and every process it
+    started (vLLM's engine core) are killed, and nothing is left holding the GPU. The log
+    keeps its first and last characters (``LOG_HEAD``, ``LOG_TAIL``)."""
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:  # also on the orchestrator's own interruption; and orphans of an exit
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            text = log.read_text(errors="replace")
+            if len(text) > LOG_HEAD + LOG_TAIL:
+                cut = len(text) - LOG_HEAD - LOG_TAIL
+                log.write_text(
+                    f"{text[:LOG_HEAD]}\n[... {cut} characters cut ...]\n{text[-LOG_TAIL:]}"
+                )
 
 
 def engine_env(phase: str, environ: Mapping[str, str]) -> dict[str, str]:
@@ -394,6 +427,14 @@ def main() -> None:
         default=None,
         help="GiB of vLLM's CPU KV tier (its OffloadingConnector) on every engine",
     )
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="seconds the whole run may take (a device call's limit, less what follows it): "
+        "an engine still running then is killed with its engine core, its log and trace "
+        "kept, and the report is written over the engines that finished",
+    )
     parser.add_argument("--engine", nargs=3, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--combine", nargs="+", default=None, help="result JSONs of several calls")
     args = parser.parse_args()
@@ -407,8 +448,8 @@ def main() -> None:
         run_engine(mode, args.model, Path(out), Path(trace), args)
         return
 
-    from dynoff.policy.trace import summarize_trace
-
+    deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
+    signal.signal(signal.SIGTERM, _terminated)  # an outer `timeout`: clean up, then report
     logs = Path(args.out).parent
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -424,18 +465,49 @@ def main() -> None:
         "audit_changes": args.audit,
         "engines": {},
     }
-    for mode in args.engines or modes:
+    try:
+        run_engines(args.engines or modes, args, work, logs, deadline, results)
+    finally:
+        report(args, modes, work, results)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_engines(
+    modes: list[str],
+    args: argparse.Namespace,
+    work: Path,
+    logs: Path,
+    deadline: float | None,
+    results: dict[str, Any],
+) -> None:
+    """Each engine in its own process, in order, until one fails or the deadline nears."""
+    from dynoff.policy.trace import summarize_trace
+
+    for mode in modes:
         out, trace = work / f"{mode}.json", work / f"{mode}.jsonl"
         trace.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "bench.gpu.e2e_correctness", *sys.argv[1:]]
         cmd += ["--engine", mode, str(out), str(trace)]
+        left = ENGINE_TIMEOUT_S if deadline is None else deadline - time.monotonic()
+        if left < 30:
+            results["engines"][mode] = {"error": f"not started: {left:.0f} s left of the deadline"}
+            print(f"[e2e] engine {mode} not started: the deadline is near", flush=True)
+            break
         print(f"[e2e] engine {mode} ...", flush=True)
         env = engine_env(args.phase, os.environ)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=580, env=env)
-        (logs / f"{mode}.log").write_text(proc.stdout[-20000:] + proc.stderr[-60000:])
-        if proc.returncode != 0:
-            results["engines"][mode] = {"error": proc.stderr[-3000:]}
-            print(f"[e2e] engine {mode} failed:\n{proc.stderr[-3000:]}", flush=True)
+        log = logs / f"{mode}.log"
+        code = run_logged(cmd, env, log, min(left, ENGINE_TIMEOUT_S))
+        if code != 0:
+            reason = f"exit code {code}" if code is not None else f"killed after {left:.0f} s"
+            tail = log.read_text(errors="replace")[-3000:]
+            results["engines"][mode] = {"error": f"{reason}\n{tail}"}
+            if trace.exists():  # how far it got
+                results["engines"][mode]["trace"] = summarize_trace(trace)
+                (logs / f"{mode}_trace.jsonl").write_text(trace.read_text()[-2_000_000:])
+            print(f"[e2e] engine {mode} failed ({reason}):\n{tail}", flush=True)
             break
         result = json.loads(out.read_text())
         if trace.exists():
@@ -446,6 +518,9 @@ def main() -> None:
         out.write_text(json.dumps(result))
         print(f"[e2e] {mode}: " + json.dumps({k: v for k, v in result.items() if k != "outputs"}))
 
+
+def report(args: argparse.Namespace, modes: list[str], work: Path, results: dict[str, Any]) -> None:
+    """The report over every engine that finished, in this call or an earlier one."""
     for mode in [*modes, "forced-wrong", *PIECEWISE_MODES]:  # earlier calls' engines
         if mode not in results["engines"] and (work / f"{mode}.json").exists():
             results["engines"][mode] = json.loads((work / f"{mode}.json").read_text())

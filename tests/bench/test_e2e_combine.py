@@ -167,3 +167,48 @@ def test_the_identity_phase_compiles_every_engine_without_timing() -> None:
     config = e2e.engine_kwargs("live", "m", "t.jsonl", args)["compilation_config"]
     assert "inductor_compile_config" not in config
     assert "TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS" not in e2e.engine_env("live", {})
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_an_engine_cut_short_keeps_its_log_and_leaves_no_process(tmp_path: Path) -> None:
+    """On the H100 (2026-12-06) an outer ``timeout`` cut an identity engine, and its whole
+    log was lost with it (written only at the end). ``run_logged`` streams the log, kills
+    the engine and what it started (vLLM's engine core) when its time runs out, and keeps
+    the log's head and tail."""
+    import sys
+    import time
+
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "core = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(tmp_path / 'core.pid')!r}, 'w').write(str(core.pid))\n"
+        "print('started', flush=True)\n"
+        "print('x' * 200_000, flush=True)\n"
+        "print('still stepping', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    log = tmp_path / "engine.log"
+    start = time.monotonic()
+    code = e2e.run_logged([sys.executable, str(script)], {}, log, timeout_s=3.0)
+    assert code is None and time.monotonic() - start < 30
+    text = log.read_text()
+    assert text.startswith("started") and text.rstrip().endswith("still stepping")
+    assert "characters cut" in text and len(text) < e2e.LOG_HEAD + e2e.LOG_TAIL + 100
+    core = int((tmp_path / "core.pid").read_text())
+    for _ in range(50):  # SIGKILL is asynchronous
+        if not _running(core):
+            break
+        time.sleep(0.1)
+    assert not _running(core)
+
+    assert e2e.run_logged([sys.executable, "-c", "print('done')"], {}, log, 10.0) == 0
+    assert log.read_text() == "done\n"
+    assert e2e.run_logged([sys.executable, "-c", "raise SystemExit(3)"], {}, log, 10.0) == 3

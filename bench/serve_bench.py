@@ -260,7 +260,33 @@ def plugin_summary(trace: Path, start: int = 0, end: int | None = None) -> dict[
         "decisions": _count(r.get("decision") for r in records if r.get("kind") == "step"),
         "level_timeline": level_timeline(records),
         "link_GBps_serving": _median([e["GBps"] for e in events if e["event"] == "link"]),
+        "forward_steps": forward_steps(records),
     }
+
+
+FORWARD_COLUMNS = ("t_s", "level", "forward_ms", "decode_tokens", "prefill_tokens", "context")
+
+
+def forward_steps(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The steps whose forward the workers timed (a sample: each report carries the latest
+    finished one), compact: what ``python -m bench.simulator --check-steps`` holds the step
+    model against, step by step, on the machine that served. ``t_s`` counts from the point's
+    first step."""
+    steps = [r for r in records if r.get("kind") == "step" and "t" in r]
+    t0 = steps[0]["t"] if steps else 0.0
+    rows = [
+        [
+            round(r.get("t", t0) - t0, 3),
+            r["level"],
+            round(r["forward_ms"], 3),
+            r.get("decode_tokens", 0),
+            r.get("prefill_tokens", 0),
+            r.get("context_tokens", 0),
+        ]
+        for r in records
+        if r.get("kind") == "forward" and r.get("forward_ms")
+    ]
+    return {"columns": list(FORWARD_COLUMNS), "rows": rows}
 
 
 def _median(values: list[float]) -> float | None:

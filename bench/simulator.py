@@ -6,6 +6,8 @@ only the model's forward is replaced, by a step-time model.
 
     python -m bench.simulator --system plugin --trace trace.jsonl --out sim.json \\
         [--link-GBps 390] [--kv-blocks 6095] [--model tests/models/qwen3-32b]
+    python -m bench.simulator --check-steps RUN.json.gz [--machine h100] [--link-GBps 390] \
+        --out check.json    # the step model against a plugin serving run's timed steps
 
 The plugin's scheduler gets, on its first report, the calibration its workers would
 measure on that machine (:meth:`StepModel.calibration`), as in serving. Each step's
@@ -712,6 +714,48 @@ def predict(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return {"predictions": {f"{name}_{args.workload}": rows}}
 
 
+DECODE_BATCHES = (16, 64, 256)  # --check-steps: the decode-only steps' batch classes
+
+
+def step_class(shape: Any) -> str:
+    """``decode <=16`` ... ``decode >256`` for decode-only steps, ``mixed`` with prefill."""
+    if not shape.decode_only:
+        return "mixed"
+    bound = next((b for b in DECODE_BATCHES if shape.num_decode_tokens <= b), None)
+    return f"decode <={bound}" if bound else f"decode >{DECODE_BATCHES[-1]}"
+
+
+def check_steps(model: StepModel, forward_steps: dict[str, Any]) -> dict[str, Any]:
+    """The step model against the steps a serving run timed (``bench.serve_bench``'s
+    ``forward_steps``): per class of step, how many, and the median, 10th and 90th
+    percentile of predicted / measured - 1. End-to-end figures blend every step's error
+    with the scheduler's; this reads the model alone, where the GPU measured it."""
+    from dynoff.policy.latency import StepShape
+
+    cost = model.cost_model()
+    col = {name: i for i, name in enumerate(forward_steps["columns"])}
+    errors: dict[str, list[float]] = {}
+    for row in forward_steps["rows"]:
+        decode, prefill = int(row[col["decode_tokens"]]), int(row[col["prefill_tokens"]])
+        shape = StepShape(decode, prefill, int(row[col["context"]]))
+        measured = float(row[col["forward_ms"]])
+        if measured <= 0 or decode + prefill == 0:
+            continue
+        predicted = cost.step_ms(int(row[col["level"]]), shape)
+        errors.setdefault(step_class(shape), []).append(predicted / measured - 1)
+    errors["all"] = [e for values in errors.values() for e in values]
+    return {name: _spread(values) for name, values in errors.items() if values}
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
+
+    return {"steps": len(ordered), "median": at(0.5), "p10": at(0.1), "p90": at(0.9)}
+
+
 def step_model_for(args: argparse.Namespace, link_GBps: float) -> StepModel:
     """The H200's calibrated Qwen3-32B, or with ``--machine`` the scaled model."""
     if args.machine is None:
@@ -738,7 +782,15 @@ def resolve(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--system", choices=["stock", "plugin"], required=True)
+    parser.add_argument("--system", choices=["stock", "plugin"], default=None)
+    parser.add_argument(
+        "--check-steps",
+        nargs="+",
+        default=None,
+        metavar="RUN",
+        help="bench.serve_bench results of the plugin: the step model against their timed "
+        "steps (--machine and --link-GBps as the run's)",
+    )
     parser.add_argument("--trace", default=None, help="bench.traces JSON lines (or --validate)")
     parser.add_argument("--validate", action="store_true", help="the held-back H200 points")
     parser.add_argument("--predict", action="store_true", help="max sustainable rates")
@@ -776,6 +828,21 @@ def main() -> None:
         args.link_GBps = 55.3
     resolve(args)
     model = step_model_for(args, args.link_GBps)
+    if args.check_steps:
+        from bench.common import read_results
+
+        checks = {}
+        for path in args.check_steps:
+            steps = (read_results(path).get("plugin") or {}).get("forward_steps")
+            if not steps:
+                parser.error(f"{path}: no forward_steps (a plugin run of bench.serve_bench)")
+            checks[path] = check_steps(model, steps)
+            for name, row in checks[path].items():
+                print(f"{path} {name}: {row}")
+        write_results(args.out, {"check_steps": checks, "model": dataclasses.asdict(model)})
+        return
+    if args.system is None:
+        parser.error("--system is required")
     if args.validate:
         import tempfile
 

@@ -215,3 +215,40 @@ def test_the_committed_simulation_plots(tmp_path: Path) -> None:
     paths.append(plot_simulator_predictions(result, tmp_path))
     assert [p.name for p in paths] == ["simulator_validation.png", "simulator_predictions.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_the_step_model_is_held_against_a_serving_runs_timed_steps(tmp_path: Path) -> None:
+    """``--check-steps`` reads a plugin run's timed steps and gives, per class of step, how
+    far the step model is from them: here decode steps that took 1.25x the model's time
+    (error -20%) and mixed steps 0.8x (+25%), at levels 0 and 1 on a 390 GB/s link."""
+    from bench.serve_bench import FORWARD_COLUMNS
+    from bench.simulator import check_steps
+    from dynoff.policy.latency import StepShape
+
+    model = StepModel(link_GBps=390.0)
+    cost = model.cost_model()
+    rows = []
+    for level, decode, prefill, context, scale in [
+        (0, 8, 0, 4_000, 1.25),
+        (1, 48, 0, 30_000, 1.25),
+        (1, 200, 0, 150_000, 1.25),
+        (0, 40, 2048, 20_000, 0.8),
+        (1, 40, 8152, 20_000, 0.8),
+        (0, 0, 0, 0, 1.0),  # an empty step: left out
+    ]:
+        ms = cost.step_ms(level, StepShape(decode, prefill, context)) * scale
+        rows.append([1.0, level, ms, decode, prefill, context])
+    steps = {"columns": list(FORWARD_COLUMNS), "rows": rows}
+    result = check_steps(model, steps)
+    assert set(result) == {"decode <=16", "decode <=64", "decode <=256", "mixed", "all"}
+    assert result["decode <=64"] == {"steps": 1, "median": -0.2, "p10": -0.2, "p90": -0.2}
+    assert result["mixed"]["steps"] == 2 and result["mixed"]["median"] == pytest.approx(0.25)
+    assert result["all"]["steps"] == 5 and result["all"]["p10"] == pytest.approx(-0.2)
+
+    run_file = tmp_path / "plugin_run.json"
+    run_file.write_text(json.dumps({"plugin": {"forward_steps": steps}}))
+    out = tmp_path / "check.json"
+    cmd = [sys.executable, "-m", "bench.simulator", "--check-steps", str(run_file)]
+    cmd += ["--link-GBps", "390", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+    assert json.loads(out.read_text())["check_steps"][str(run_file)] == result

@@ -378,6 +378,27 @@ def test_the_emulated_links_serving_bandwidth_reaches_the_trace_and_the_run_summ
     assert plugin_summary(trace)["link_GBps_serving"] == 385.5
 
 
+def test_a_serving_runs_summary_keeps_the_timed_steps(tmp_path) -> None:
+    """The workers' timed forwards reach the trace, and a serving run's summary keeps them,
+    compact, for ``bench.simulator --check-steps``; the untimed reports leave no row."""
+    from bench.serve_bench import FORWARD_COLUMNS, plugin_summary
+
+    ctl, _ = controller(tmp_path, schedule=[(1, 0)])
+    shapes = {10: (64, 0, 20_000), 11: (60, 2048, 19_000), 12: (0, 0, 0)}
+    for step, (decode, prefill, context) in shapes.items():
+        ctl.on_schedule_start(step, 0, 0)
+        forward = 0.0 if step == 12 else 20.0 + step  # step 12: not timed
+        ctl.on_report(StepReport(step, 0, forward, decode, prefill, num_context_tokens=context))
+    ctl.trace.close()
+    steps = plugin_summary(tmp_path / "trace.jsonl")["forward_steps"]
+    assert steps["columns"] == list(FORWARD_COLUMNS)
+    assert [row[1:] for row in steps["rows"]] == [
+        [0, 30.0, 64, 0, 20_000],
+        [0, 31.0, 60, 2048, 19_000],
+    ]
+    assert all(row[0] >= 0.0 for row in steps["rows"])
+
+
 def test_workers_at_another_level_with_no_change_in_flight_stop_serving(tmp_path) -> None:
     """On the H100 (2026-12-06) a torn start-up calibration left the workers at level 1
     while the scheduler served level 0 for a whole run, and nothing noticed: every report

@@ -242,6 +242,12 @@ def report(
     paths: list[str], interference: str | None = None, ttft_bound_ms: float = TTFT_BOUND_MS
 ) -> dict[str, Any]:
     runs = [read_results(path) for path in paths]
+    gpus = {str((r.get("machine") or {}).get("gpu")) for r in runs} - {"None"}
+    if len(gpus) > 1:  # a ratio compares runs of one machine
+        raise ValueError(
+            f"the runs come from several GPUs ({', '.join(sorted(gpus))}): report each "
+            "card's runs apart (one bench.fastlink per card)"
+        )
     utils = [utilization(r) for r in runs if plugin_config(r) is not None]
     plugin_util = max(set(utils), key=utils.count) if utils else None
     grouped: dict[str, dict[str, list[dict[str, Any]]]] = {}
@@ -270,7 +276,7 @@ def report(
             s.get("emulation") for w in workloads.values() for s in w["systems"].values()
         ),
         "note": EMULATION_NOTE,
-        "gpus": sorted({str((r.get("machine") or {}).get("gpu")) for r in runs} - {"None"}),
+        "gpus": sorted(gpus),
         "gpu_memory_utilization": plugin_util,
         "sustained_rule": (
             "no failed request, the waiting queue's slope over the trace's arrivals below "

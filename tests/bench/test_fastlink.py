@@ -191,3 +191,6 @@ def test_an_overloaded_point_is_compared_at_its_offered_rate(tmp_path: Path) -> 
     assert point["mean_e2el"] == pytest.approx(600.0 / 800.0, abs=1e-4)
     assert point["p99_e2el"] == pytest.approx(1.0) and point["p99_ttft"] == 0.5
     assert point["median_tpot"] == pytest.approx(0.8)
+    stock["machine"] = {"gpu": "NVIDIA H200"}  # a ratio across two cards is refused
+    with pytest.raises(ValueError, match="several GPUs"):
+        report(write_records(tmp_path, [stock, ours]))

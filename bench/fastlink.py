@@ -387,7 +387,10 @@ def main() -> None:
         "--ttft-bound-ms", type=float, default=TTFT_BOUND_MS, help="a sustained rate's P99 TTFT"
     )
     args = parser.parse_args()
-    result = report(args.runs, args.interference, args.ttft_bound_ms)
+    try:
+        result = report(args.runs, args.interference, args.ttft_bound_ms)
+    except ValueError as exc:
+        parser.error(str(exc))
     write_results(args.out, result)
     if args.plots:
         for path in plot(result, Path(args.plots)):

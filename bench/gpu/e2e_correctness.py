@@ -262,14 +262,28 @@ def run_engine(mode: str, model: str, out: Path, trace: Path, args: argparse.Nam
     out.write_text(json.dumps(result))
 
 
-def batch_schedule(trace: Path) -> list[list[int]]:
+def batch_schedule(records: list[dict[str, Any]]) -> list[list[int]]:
     """[waiting, running] after each step's schedule, in step order, from a plugin trace."""
-    steps = {}
-    for line in trace.read_text().splitlines():
-        row = json.loads(line)
-        if row.get("kind") == "step":
-            steps[row["step"]] = [row["waiting"], row["running"]]
+    steps = {
+        row["step"]: [row["waiting"], row["running"]]
+        for row in records
+        if row.get("kind") == "step"
+    }
     return [steps[s] for s in sorted(steps)]
+
+
+def engine_trace(trace: Path, logs: Path, mode: str) -> dict[str, Any]:
+    """An engine's trace, read once: its summary and its schedule; its tail is kept beside
+    the logs."""
+    from dynoff.policy.trace import TraceSummary
+
+    text = trace.read_text()
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    summary = TraceSummary()
+    for record in records:
+        summary.add(record)
+    (logs / f"{mode}_trace.jsonl").write_text(text[-2_000_000:])
+    return {"trace": summary.as_dict(), "schedule": batch_schedule(records)}
 
 
 def schedule_divergence(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
@@ -484,8 +498,6 @@ def run_engines(
     results: dict[str, Any],
 ) -> None:
     """Each engine in its own process, in order, until one fails or the deadline nears."""
-    from dynoff.policy.trace import summarize_trace
-
     for mode in modes:
         out, trace = work / f"{mode}.json", work / f"{mode}.jsonl"
         trace.unlink(missing_ok=True)
@@ -505,15 +517,12 @@ def run_engines(
             tail = log.read_text(errors="replace")[-3000:]
             results["engines"][mode] = {"error": f"{reason}\n{tail}"}
             if trace.exists():  # how far it got
-                results["engines"][mode]["trace"] = summarize_trace(trace)
-                (logs / f"{mode}_trace.jsonl").write_text(trace.read_text()[-2_000_000:])
+                results["engines"][mode].update(engine_trace(trace, logs, mode))
             print(f"[e2e] engine {mode} failed ({reason}):\n{tail}", flush=True)
             break
         result = json.loads(out.read_text())
         if trace.exists():
-            result["trace"] = summarize_trace(trace)
-            result["schedule"] = batch_schedule(trace)
-            (logs / f"{mode}_trace.jsonl").write_text(trace.read_text()[-2_000_000:])
+            result.update(engine_trace(trace, logs, mode))
         results["engines"][mode] = result
         out.write_text(json.dumps(result))
         print(f"[e2e] {mode}: " + json.dumps({k: v for k, v in result.items() if k != "outputs"}))

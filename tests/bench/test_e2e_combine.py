@@ -120,12 +120,20 @@ def test_the_schedules_say_whether_a_pair_ran_the_same_batches(tmp_path: Path) -
     trace = tmp_path / "forced-pw.jsonl"
     rows = [{"kind": "event", "event": "plan"}]
     rows += [
-        {"kind": "step", "step": n + 1, "waiting": w, "running": r}
+        {
+            "kind": "step",
+            "step": n + 1,
+            "level": 0,
+            "capacity_blocks": 64,
+            "waiting": w,
+            "running": r,
+        }
         for n, (w, r) in enumerate([[0, 0], [195, 61], [0, 256]])
     ]
     trace.write_text("\n".join(json.dumps(r) for r in reversed(rows)))
-    raced = e2e.batch_schedule(trace)
+    raced = e2e.engine_trace(trace, tmp_path, "forced-pw")["schedule"]
     assert raced == [[0, 0], [195, 61], [0, 256]]
+    assert (tmp_path / "forced-pw_trace.jsonl").read_text() == trace.read_text()
     tokens = {"forced0-pw": [[1]], "forced-pw": [[1]], "k0-pw": [[1]]}
     engines = {"forced0-pw": {"schedule": same}, "forced-pw": {"schedule": raced}, "k0-pw": {}}
     schedules = e2e.compare(engines, tokens)["schedules"]

@@ -757,10 +757,48 @@ def _spread(values: list[float]) -> dict[str, Any]:
 
 
 def step_model_for(args: argparse.Namespace, link_GBps: float) -> StepModel:
-    """The H200's calibrated Qwen3-32B, or with ``--machine`` the scaled model."""
+    """The H200's calibrated Qwen3-32B, or with ``--machine`` the scaled model; with
+    ``--calibration`` the decode steps, piecewise penalty and change stalls a plugin server
+    measured on its machine replace theirs (:func:`from_calibration`)."""
     if args.machine is None:
-        return StepModel(link_GBps=link_GBps)
-    return scaled_step_model(MACHINES[args.machine], MODELS[args.served_model], args.tp, link_GBps)
+        model = StepModel(link_GBps=link_GBps)
+    else:
+        served = MODELS[args.served_model]
+        model = scaled_step_model(MACHINES[args.machine], served, args.tp, link_GBps)
+    if getattr(args, "calibration", None):
+        from bench.common import read_results
+
+        run = read_results(args.calibration)
+        calibration = (run.get("plugin") or {}).get("calibration") or run.get("calibration")
+        if not calibration:
+            raise ValueError(f"{args.calibration}: no calibration (a plugin run of serve_bench)")
+        model = from_calibration(calibration, model)
+    return model
+
+
+def from_calibration(calibration: dict[str, Any], base: StepModel) -> StepModel:
+    """``base`` with what a plugin server measured at start-up, before serving (its trace's
+    ``calibration`` event): the decode step's fixed part and per-token cost fitted (least
+    squares) to its FULL-graph decode steps, its piecewise penalty and its level changes'
+    stalls. Prefill, attention's context term and the link stay ``base``'s: the
+    calibration's decode steps carry no prefill and little context. On the H100 (2026-12-06)
+    the scaled model made those steps 7-18% slower than the card measured them."""
+    rows = calibration.get("decode_steps") or []
+    if len(rows) < 2:
+        raise ValueError("the calibration has fewer than two decode steps (no CUDA graphs?)")
+    xs, ys = [float(r[0]) for r in rows], [float(r[1]) for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    return dataclasses.replace(
+        base,
+        intercept_ms=my - slope * mx,
+        ms_per_decode_token=slope,
+        piecewise_penalty_ms=float(calibration["piecewise_penalty_ms"]),
+        stall_up_ms=float(calibration["stall_up_ms"]),
+        stall_down_ms=float(calibration["stall_down_ms"]),
+    )
 
 
 def resolve(args: argparse.Namespace) -> None:
@@ -806,6 +844,13 @@ def main() -> None:
         "--machine", choices=sorted(MACHINES), default=None, help="a scaled step model"
     )
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        metavar="RUN",
+        help="a plugin serve_bench result: its server's start-up calibration (decode steps, "
+        "piecewise penalty, change stalls) replaces the step model's",
+    )
     parser.add_argument("--utilization", type=float, default=0.9, help="with --machine")
     parser.add_argument("--kv-blocks", type=int, default=None, help="default: 6,095 (H200, 0.62)")
     parser.add_argument("--max-level", type=int, default=8)
@@ -827,7 +872,10 @@ def main() -> None:
     if args.machine is None and args.link_GBps is None:
         args.link_GBps = 55.3
     resolve(args)
-    model = step_model_for(args, args.link_GBps)
+    try:
+        model = step_model_for(args, args.link_GBps)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.check_steps:
         from bench.common import read_results
 

@@ -252,3 +252,40 @@ def test_the_step_model_is_held_against_a_serving_runs_timed_steps(tmp_path: Pat
     cmd += ["--link-GBps", "390", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
     assert json.loads(out.read_text())["check_steps"][str(run_file)] == result
+
+
+def test_a_servers_start_up_calibration_replaces_the_scaled_decode_steps(tmp_path: Path) -> None:
+    """On the H100 (2026-12-06) the scaled model made Qwen3-32B's decode steps 7-18%
+    slower than the plugin's start-up calibration measured them (25.2 / 27.3 / 34.8 ms at
+    batch 8 / 64 / 256). ``--calibration`` fits the step's fixed part and per-token cost to
+    a server's measured decode steps and takes its piecewise penalty and stalls; the rest
+    stays the base model's."""
+    from bench.simulator import MACHINES, MODELS, from_calibration, scaled_step_model
+
+    base = scaled_step_model(MACHINES["h100"], MODELS["qwen3-32b"], 1, 390.0)
+    calibration = {
+        "h2d_GBps": 385.7,
+        "piecewise_penalty_ms": 0.95,
+        "decode_steps": [[8, 25.0, 26.0, 27.5], [64, 27.24, 28.2, 29.9], [256, 34.92, 35.9, 37.8]],
+        "stall_up_ms": 3.9,
+        "stall_down_ms": 4.5,
+    }
+    model = from_calibration(calibration, base)
+    assert model.intercept_ms == pytest.approx(24.68, abs=1e-6)
+    assert model.ms_per_decode_token == pytest.approx(0.04, abs=1e-9)
+    assert (model.piecewise_penalty_ms, model.stall_up_ms, model.stall_down_ms) == (0.95, 3.9, 4.5)
+    assert model.ms_per_prefill_token == base.ms_per_prefill_token
+    assert model.ms_per_context_token == base.ms_per_context_token
+    assert model.link_GBps == base.link_GBps == 390.0
+    with pytest.raises(ValueError, match="fewer than two decode steps"):
+        from_calibration({**calibration, "decode_steps": []}, base)
+
+    run_file = tmp_path / "plugin_run.json"
+    run_file.write_text(json.dumps({"plugin": {"calibration": calibration}}))
+    out = tmp_path / "sim.json"
+    requests = tmp_path / "trace.jsonl"
+    requests.write_text(json.dumps({"t": 0.0, "prompt_len": 64, "output_len": 4}) + "\n")
+    cmd = [sys.executable, "-m", "bench.simulator", "--system", "stock", "--machine", "h100"]
+    cmd += ["--calibration", str(run_file), "--trace", str(requests), "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+    assert json.loads(out.read_text())["model"]["intercept_ms"] == pytest.approx(24.68)

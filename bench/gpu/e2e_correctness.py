@@ -133,6 +133,17 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float)
                 )
 
 
+def compiled_untimed(compilation_config: dict[str, Any]) -> bool:
+    """Whether this process compiles without Inductor's timing (:data:`UNTIMED_ENV` read at
+    Inductor's import, :data:`UNTIMED_INDUCTOR` in the engine's configuration): a pair's
+    token identity is only asked of engines compiled so."""
+    import torch._inductor.config as inductor
+
+    return bool(inductor.test_configs.force_filter_reduction_configs) and (
+        compilation_config.get("inductor_compile_config") == UNTIMED_INDUCTOR
+    )
+
+
 def engine_env(phase: str, environ: Mapping[str, str]) -> dict[str, str]:
     """The environment an engine's process runs in."""
     env = dict(environ)
@@ -210,9 +221,11 @@ def run_engine(mode: str, model: str, out: Path, trace: Path, args: argparse.Nam
     from vllm.inputs import TokensPrompt
 
     start = time.time()
-    llm = LLM(**engine_kwargs(mode, model, str(trace), args))
+    kwargs = engine_kwargs(mode, model, str(trace), args)
+    llm = LLM(**kwargs)
     base = mode.removesuffix(PIECEWISE)
     result: dict[str, Any] = {"mode": mode, "startup_s": round(time.time() - start, 1)}
+    result["compiled_untimed"] = compiled_untimed(kwargs["compilation_config"])
     if args.weights == "distinct":
         result["weights_redrawn"] = llm.collective_rpc("dynoff_distinct_weights")
     if base == "forced-wrong":

@@ -4,6 +4,7 @@ calls; a mode seen twice is kept as ``<mode>_2`` and compared with its first run
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from bench.gpu import e2e_correctness as e2e
@@ -170,6 +171,24 @@ def test_the_identity_phase_compiles_every_engine_without_timing() -> None:
     env = e2e.engine_env("identity", {"PATH": "/bin"})
     assert env["TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS"] == "1"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["PATH"] == "/bin"
+
+    # Each engine's result says whether it compiled so (read in its own process, where
+    # Inductor took the environment at import), and the GPU test asks it of the pair.
+    import subprocess
+    import sys
+
+    check = (
+        "from bench.gpu.e2e_correctness import compiled_untimed, UNTIMED_INDUCTOR as U; "
+        "print(compiled_untimed({'inductor_compile_config': dict(U)}), compiled_untimed({}))"
+    )
+    root = Path(e2e.__file__).parents[2]
+    timed = {k: v for k, v in env.items() if k not in e2e.UNTIMED_ENV}
+    for environ, expected in ((env, "True False"), (timed, "False False")):
+        environ = {**environ, "PATH": os.environ["PATH"]}
+        run = subprocess.run(
+            [sys.executable, "-c", check], env=environ, cwd=root, capture_output=True, text=True
+        )
+        assert run.stdout.strip() == expected, run.stderr[-2000:]
 
     args.phase = "live"
     config = e2e.engine_kwargs("live", "m", "t.jsonl", args)["compilation_config"]

@@ -61,6 +61,22 @@ def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> Path
     return out
 
 
+def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 120) -> Path:
+    """A matplotlib figure as a PNG of at most 256 colours (its lines and text need no
+    more): about a third of matplotlib's own file. The plots are committed, and what
+    travels to the GPU machine with each call is bounded (``bench/gpu/README.md``)."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    image = Image.open(buffer).convert("RGB")
+    palette = image.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    palette.save(path, format="PNG", optimize=True)
+    return Path(path)
+
+
 def model_or_generated(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``args.model`` as given, or with ``--cpu`` and no model a freshly generated small Llama."""
     if args.model is not None:

@@ -38,7 +38,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.common import read_results, write_results
+from bench.common import read_results, save_figure, write_results
 from bench.no_harm import rate_of, trace_arg
 from bench.serving import max_sustainable_rate, queue_slope, sustainable
 from bench.serving_report import knee
@@ -350,7 +350,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.suptitle("Rate against latency under vllm serve" + tag, fontsize=10)
     fig.tight_layout()
     paths = [out_dir / f"fastlink_latency{suffix}.png"]
-    fig.savefig(paths[0], dpi=120)
+    save_figure(fig, paths[0])
     plt.close(fig)
 
     traces = [
@@ -372,7 +372,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
         paths.append(out_dir / f"fastlink_levels{suffix}.png")
-        fig.savefig(paths[-1], dpi=120)
+        save_figure(fig, paths[-1])
         plt.close(fig)
     return paths
 

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.common import read_results, write_results
+from bench.common import read_results, save_figure, write_results
 from bench.serve_bench import disconnected_failures
 
 # ratio name -> (vLLM result key, bound, "min" if the ratio must be at least the bound)
@@ -141,7 +141,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "no_harm.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 

@@ -40,7 +40,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.common import read_results
+from bench.common import read_results, save_figure
 
 
 def _load(paths: list[Path]) -> list[tuple[str, dict[str, Any]]]:
@@ -96,7 +96,7 @@ def plot_h2d(runs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
     ax.set_title("Prefetch transfer throughput vs offload depth")
     path = out / "microbench_h2d.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -134,7 +134,7 @@ def plot_iteration(runs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
         ax.set_title(f"{name}: iteration time (decode batch {batch}) and KV capacity")
     path = out / "microbench_iteration.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -183,7 +183,7 @@ def plot_resize(runs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
     ax.set_title("Level-change cost (median over transitions, in vLLM)", fontsize=10)
     path = out / "microbench_resize.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -214,7 +214,7 @@ def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None
     fig.suptitle(f"{name}: max sustainable rate")
     fig.tight_layout()
     written.append(out / f"{name}_maxrate.png")
-    fig.savefig(written[-1], dpi=120)
+    save_figure(fig, written[-1])
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
@@ -234,7 +234,7 @@ def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None
     fig.suptitle(f"{name}: latency vs achieved rate")
     fig.tight_layout()
     written.append(out / f"{name}_latency.png")
-    fig.savefig(written[-1], dpi=120)
+    save_figure(fig, written[-1])
     plt.close(fig)
 
     if cdf_rate is None:  # the lowest offered rate stock vLLM cannot sustain
@@ -257,7 +257,7 @@ def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None
     fig.suptitle(f"{name}: CDF at {cdf_rate:g} req/s offered")
     fig.tight_layout()
     written.append(out / f"{name}_cdf.png")
-    fig.savefig(written[-1], dpi=120)
+    save_figure(fig, written[-1])
     plt.close(fig)
 
     ours = [r for r in runs if r.get("trace")]
@@ -301,7 +301,7 @@ def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None
         fig.suptitle(f"{name}: the plugin over time")
         fig.tight_layout()
         written.append(out / f"{name}_trace.png")
-        fig.savefig(written[-1], dpi=120)
+        save_figure(fig, written[-1])
         plt.close(fig)
 
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
@@ -335,7 +335,7 @@ def plot_serving(paths: list[Path], out: Path, name: str, cdf_rate: float | None
         fig.colorbar(dots, ax=axes, label="KV utilisation")
         fig.suptitle(f"{name}: where more KV stops paying ({', '.join(r['system'] for r in ours)})")
         written.append(out / f"{name}_batch.png")
-        fig.savefig(written[-1], dpi=120)
+        save_figure(fig, written[-1])
         plt.close(fig)
     return written
 
@@ -384,7 +384,7 @@ def plot_simulator_validation(result: dict[str, Any], out: Path) -> Path:
     )
     fig.tight_layout()
     path = out / "simulator_validation.png"
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -420,7 +420,7 @@ def plot_simulator_predictions(result: dict[str, Any], out: Path) -> Path:
         bottom.set_ylabel("throughput (req/s)")
     fig.tight_layout()
     path = out / "simulator_predictions.png"
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 

@@ -30,7 +30,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.common import read_results, write_results
+from bench.common import read_results, save_figure, write_results
 from bench.no_harm import rate_of
 
 TTFT_BOUND_MS = 1000.0
@@ -168,7 +168,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> Path:
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "prefix.png"
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 

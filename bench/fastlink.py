@@ -328,10 +328,9 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     from matplotlib.ticker import MaxNLocator
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    cards = [card_name(gpu) for gpu in result.get("gpus") or []]
-    card = "_".join(cards)
-    tag = f" (fast link EMULATED on one {'/'.join(c.upper() for c in cards) or 'GPU'})"
-    tag = tag if result["emulation"] else ""
+    gpus = result.get("gpus") or []  # one at most: report() refuses runs of two cards
+    card = card_name(gpus[0]) if gpus else ""
+    tag = f" (fast link EMULATED on one {card.upper() or 'GPU'})" if result["emulation"] else ""
     suffix = f"_{card}" if card else ""
     workloads = result["workloads"]
     width = max(7.0, 5.0 * len(workloads))

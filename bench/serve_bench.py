@@ -240,19 +240,16 @@ class MetricsSampler(threading.Thread):
 def plugin_summary(trace: Path, start: int = 0, end: int | None = None) -> dict[str, Any]:
     """Levels and level changes from the plugin's trace, bytes ``[start, end)`` of it (one
     point of a server that ran several); the calibration is the server's, from its start."""
-    from dynoff.policy.trace import TraceSummary
+    from dynoff.policy.trace import summarize_records
 
     if not trace.exists():
         return {"error": "the plugin wrote no trace"}
     data = trace.read_bytes()
     records = _records(data[start:end])
-    summary = TraceSummary()
-    for record in records:
-        summary.add(record)
     events = [r for r in records if r.get("kind") == "event"]
     server_events = [r for r in _records(data[:start]) + records if r.get("kind") == "event"]
     return {
-        **summary.as_dict(),
+        **summarize_records(records),
         "calibration": next((e for e in server_events if e["event"] == "calibration"), None),
         "plan": next((e for e in server_events if e["event"] == "plan"), None),
         "audits": [e for e in events if e["event"] == "audit"],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -84,12 +84,17 @@ class TraceSummary:
         }
 
 
+def summarize_records(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The :class:`TraceSummary` of trace records already read."""
+    summary = TraceSummary()
+    for record in records:
+        summary.add(record)
+    return summary.as_dict()
+
+
 def summarize_trace(path: str | Path) -> dict[str, Any]:
     """The :class:`TraceSummary` of a trace file."""
-    summary = TraceSummary()
-    for line in Path(path).read_text().splitlines():
-        summary.add(json.loads(line))
-    return summary.as_dict()
+    return summarize_records(json.loads(line) for line in Path(path).read_text().splitlines())
 
 
 class TraceWriter:

@@ -288,15 +288,12 @@ def batch_schedule(records: list[dict[str, Any]]) -> list[list[int]]:
 def engine_trace(trace: Path, logs: Path, mode: str) -> dict[str, Any]:
     """An engine's trace, read once: its summary and its schedule; its tail is kept beside
     the logs."""
-    from dynoff.policy.trace import TraceSummary
+    from dynoff.policy.trace import summarize_records
 
     text = trace.read_text()
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
-    summary = TraceSummary()
-    for record in records:
-        summary.add(record)
     (logs / f"{mode}_trace.jsonl").write_text(text[-2_000_000:])
-    return {"trace": summary.as_dict(), "schedule": batch_schedule(records)}
+    return {"trace": summarize_records(records), "schedule": batch_schedule(records)}
 
 
 def schedule_divergence(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
@@ -524,9 +521,10 @@ def run_engines(
         print(f"[e2e] engine {mode} ...", flush=True)
         env = engine_env(args.phase, os.environ)
         log = logs / f"{mode}.log"
-        code = run_logged(cmd, env, log, min(left, ENGINE_TIMEOUT_S))
+        timeout_s = min(left, ENGINE_TIMEOUT_S)
+        code = run_logged(cmd, env, log, timeout_s)
         if code != 0:
-            reason = f"exit code {code}" if code is not None else f"killed after {left:.0f} s"
+            reason = f"exit code {code}" if code is not None else f"killed after {timeout_s:.0f} s"
             tail = log.read_text(errors="replace")[-3000:]
             results["engines"][mode] = {"error": f"{reason}\n{tail}"}
             if trace.exists():  # how far it got

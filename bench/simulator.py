@@ -778,23 +778,27 @@ def step_model_for(args: argparse.Namespace, link_GBps: float) -> StepModel:
 
 def from_calibration(calibration: dict[str, Any], base: StepModel) -> StepModel:
     """``base`` with what a plugin server measured at start-up, before serving (its trace's
-    ``calibration`` event): the decode step's fixed part and per-token cost fitted (least
-    squares) to its FULL-graph decode steps, its piecewise penalty and its level changes'
-    stalls. Prefill, attention's context term and the link stay ``base``'s: the
+    ``calibration`` event): the decode step's fixed part and per-token cost fitted to its
+    FULL-graph decode steps by the policy's own :class:`StepTimeFit` (as
+    :func:`~dynoff.policy.pricing.model_error` fits them), its piecewise penalty and its
+    level changes' stalls. Prefill, attention's context term and the link stay ``base``'s: the
     calibration's decode steps carry no prefill and little context. On the H100 (2026-12-06)
     the scaled model made those steps 7-18% slower than the card measured them."""
+    from dynoff.policy.latency import StepShape, StepTimeFit
+
     rows = calibration.get("decode_steps") or []
     if len(rows) < 2:
         raise ValueError("the calibration has fewer than two decode steps (no CUDA graphs?)")
-    xs, ys = [float(r[0]) for r in rows], [float(r[1]) for r in rows]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mx) ** 2 for x in xs
-    )
+    fit = StepTimeFit()
+    for batch, full, *_ in rows:
+        fit.observe(StepShape(int(batch)), float(full))
+    cost = fit.solve()
+    if cost is None:
+        raise ValueError(f"the calibration's decode steps fit no step time: {rows}")
     return dataclasses.replace(
         base,
-        intercept_ms=my - slope * mx,
-        ms_per_decode_token=slope,
+        intercept_ms=cost.intercept_ms,
+        ms_per_decode_token=cost.ms_per_decode_token,
         piecewise_penalty_ms=float(calibration["piecewise_penalty_ms"]),
         stall_up_ms=float(calibration["stall_up_ms"]),
         stall_down_ms=float(calibration["stall_down_ms"]),

@@ -90,3 +90,9 @@ def model_or_generated(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 def median(values: list[float]) -> float:
     return float(statistics.median(values))
+
+
+def nearest_rank(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of already sorted values by nearest rank (no interpolation), the
+    one rule every latency percentile and error spread in ``bench`` reports."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import model_or_generated, write_results
+from bench.common import model_or_generated, nearest_rank, write_results
 from bench.workloads import prompt_ids
 
 SYSTEMS = ("stock", "stock-piecewise", "dynamic", "static", "prefetch")
@@ -148,7 +148,7 @@ def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 2)
+    return round(nearest_rank(ordered, q) * 1e3, 2)
 
 
 def _quantiles(values: list[float], points: int = 100) -> list[float]:
@@ -156,10 +156,7 @@ def _quantiles(values: list[float], points: int = 100) -> list[float]:
     if not values:
         return []
     ordered = sorted(values)
-    return [
-        round(ordered[min(len(ordered) - 1, int(i / points * len(ordered)))] * 1e3, 2)
-        for i in range(points + 1)
-    ]
+    return [round(nearest_rank(ordered, i / points) * 1e3, 2) for i in range(points + 1)]
 
 
 class Step:

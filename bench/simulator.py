@@ -748,10 +748,12 @@ def check_steps(model: StepModel, forward_steps: dict[str, Any]) -> dict[str, An
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
+    from bench.common import nearest_rank
+
     ordered = sorted(values)
 
     def at(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
+        return round(nearest_rank(ordered, q), 4)
 
     return {"steps": len(ordered), "median": at(0.5), "p10": at(0.1), "p90": at(0.9)}
 

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import math
 import statistics
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("vllm.dynoff.homes")
 
 HOME_MARGIN = 2 << 30  # left free beyond the budget (CUDA context growth, other processes)
 
@@ -129,10 +132,19 @@ class Pacer:
     one copy's one-off cost (its stream's first counters allocated, its first launch there)
     would otherwise speed up the copies after it past the target (the H100's idle test at
     390 GB/s reached 478, 2026-12-06, over six copies). :attr:`achieved_GBps` is the moving
-    average of what the copies reached, the emulated link's figure in the serving report."""
+    average of what the copies reached, the emulated link's figure in the serving report.
+
+    Making up lag needs programs that can outrun the target beside the step. Calibration
+    picks them on an idle GPU; beside a prefill's GEMMs the same programs get fewer SM
+    slots, and copies running unpaced still fell short: 348 GB/s at a 390 target on two of
+    three H100s (2026-12-06). After :data:`WIDEN_AFTER` unpaced copies in a row short of
+    the target, the pacer moves to the next program count calibration measured, and keeps
+    it (a link's bandwidth is the emulation's figure; the SMs it occupies are reported by
+    :meth:`describe` and ``bench.interference``)."""
 
     LAG_WINDOW = 5  # copies of a size whose median lag schedules the next one
     LAG_MIN = 3  # copies of a size timed before their lag is made up
+    WIDEN_AFTER = 3  # unpaced copies in a row short of the target before more programs
     SMOOTHING = 0.1  # weight of the newest copy in :attr:`achieved_GBps`
     HISTORY = 64  # recent copies kept for a report: (bytes, scheduled GB/s, elapsed ns)
 
@@ -146,6 +158,8 @@ class Pacer:
         self.block_words, self.warps = block_words, warps
         self.raw_GBps = 0.0  # the unpaced kernel's copy at :attr:`programs`
         self.programs = PROGRAM_LADDER[-1]
+        self.rates: dict[int, float] = {}  # calibration: unpaced GB/s per program count
+        self._short = 0  # unpaced copies in a row that fell short of the target
         self.achieved_GBps: float | None = None  # moving average of the timed copies
         # per copy size: the time the last copies took beyond their schedule
         self._lags_ns: dict[int, collections.deque[float]] = {}
@@ -171,6 +185,7 @@ class Pacer:
             end.synchronize()
             rates[programs] = 3 * sample.numel() / (start.elapsed_time(end) * 1e6)
         del scratch
+        self.rates = rates
         self.programs = enough_programs(rates, self.target_GBps)
         self.raw_GBps = rates[self.programs]
 
@@ -196,7 +211,8 @@ class Pacer:
             return
         if scheduled_GBps is None:
             scheduled_GBps = self.schedule_GBps(nbytes)
-        if math.isinf(scheduled_GBps):
+        unpaced = math.isinf(scheduled_GBps)
+        if unpaced:
             scheduled_GBps = self.raw_GBps or math.inf
         lag = max(0.0, elapsed_ns - nbytes / scheduled_GBps)
         self._lags_ns.setdefault(nbytes, collections.deque(maxlen=self.LAG_WINDOW)).append(lag)
@@ -204,6 +220,27 @@ class Pacer:
         achieved = nbytes / elapsed_ns
         old = self.achieved_GBps
         self.achieved_GBps = achieved if old is None else old + self.SMOOTHING * (achieved - old)
+        self._short = self._short + 1 if unpaced and achieved < self.target_GBps else 0
+        if self._short >= self.WIDEN_AFTER:
+            self._widen()
+
+    def _widen(self) -> None:
+        """The next program count calibration measured, if any; the lags measured on fewer
+        programs are dropped (they would keep the copies unpaced)."""
+        self._short = 0
+        wider = sorted(p for p in self.rates if p > self.programs)
+        if wider:
+            logger.info(
+                "dynamic offload: paced copies fell short of %.0f GB/s unpaced (%.0f GB/s "
+                "reached); copy programs %d -> %d",
+                self.target_GBps,
+                self.achieved_GBps or 0.0,
+                self.programs,
+                wider[0],
+            )
+            self.programs = wider[0]
+            self.raw_GBps = self.rates[self.programs]
+            self._lags_ns.clear()
 
     def _launch(self, dst: torch.Tensor, src: torch.Tensor, programs: int, pace_ps: int) -> None:
         nbytes = src.numel()

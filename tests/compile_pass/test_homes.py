@@ -154,3 +154,36 @@ def test_the_copy_counters_take_updates_in_and_out_of_inference_mode() -> None:
     assert state.tolist() == [0, 0] and not state.is_inference()
     with torch.inference_mode():
         assert pacer._stream_state(7, "cpu") is state
+
+
+def contended_copy(pacer: Pacer, nbytes: int, share: float) -> tuple[float, float]:
+    """(schedule, elapsed) of one copy beside a step that leaves the kernel ``share`` of
+    what its programs move on an idle GPU (their calibrated rate)."""
+    scheduled = pacer.schedule_GBps(nbytes)
+    cap = share * pacer.rates[pacer.programs]
+    return scheduled, 20_000 + nbytes / min(scheduled, cap)
+
+
+def test_copies_short_of_the_target_unpaced_widen_to_more_programs() -> None:
+    """Beside a prefill's GEMMs the programs calibrated on an idle GPU could not reach the
+    target even unpaced: 348 GB/s at 390 on two of three H100s (2026-12-06). Unpaced
+    copies short of the target move the pacer to the next program count, until the
+    copies hold the target; an idle GPU keeps the calibrated count."""
+    rates = {4: 110.0, 8: 220.0, 16: 420.0, 32: 796.0, 64: 1400.0}
+    nbytes = 486_555_648
+    pacer = Pacer(390.0)
+    pacer.rates, pacer.programs, pacer.raw_GBps = rates, 32, 796.0
+    for _ in range(40):  # idle: the calibrated programs outrun the target
+        pacer.observe(nbytes, *contended_copy(pacer, nbytes, 1.0)[::-1])
+    assert pacer.programs == 32
+    assert pacer.achieved_GBps == pytest.approx(390.0, rel=0.01)
+    for _ in range(3 * Pacer.LAG_MIN + 40):  # beside prefill: 45% of the idle rate
+        pacer.observe(nbytes, *contended_copy(pacer, nbytes, 0.45)[::-1])
+    assert pacer.programs == 64  # 0.45 x 796 = 358 < 390 <= 0.45 x 1,400
+    scheduled, elapsed = contended_copy(pacer, nbytes, 0.45)
+    assert nbytes / elapsed == pytest.approx(390.0, rel=0.01)
+    assert not math.isinf(scheduled)
+    pacer.rates = {64: 1400.0}  # nothing wider: the copies stay short, the count stays
+    for _ in range(10):
+        pacer.observe(nbytes, *contended_copy(pacer, nbytes, 0.2)[::-1])
+    assert pacer.programs == 64 and pacer.achieved_GBps < 390.0

@@ -167,7 +167,8 @@ class Pacer:
             maxlen=self.HISTORY
         )
         self._state: dict[int, torch.Tensor] = {}  # per stream: (start, next block)
-        self._timed: collections.deque[tuple[int, float, Any, Any]] = collections.deque()
+        # launched copies not yet accounted: (bytes, scheduled GB/s, programs, start, end)
+        self._timed: collections.deque[tuple[int, float, int, Any, Any]] = collections.deque()
 
     def calibrate(self, sample: torch.Tensor) -> None:
         """Time the kernel unpaced over ``sample`` at each count of :data:`PROGRAM_LADDER`
@@ -204,22 +205,36 @@ class Pacer:
         lags = self._lags_ns.get(nbytes, ())
         return statistics.median(lags) if len(lags) >= self.LAG_MIN else 0.0
 
-    def observe(self, nbytes: int, elapsed_ns: float, scheduled_GBps: float | None = None) -> None:
+    def observe(
+        self,
+        nbytes: int,
+        elapsed_ns: float,
+        scheduled_GBps: float | None = None,
+        programs: int | None = None,
+    ) -> None:
         """A copy of ``nbytes`` scheduled at ``scheduled_GBps`` (None: the current schedule)
-        took ``elapsed_ns`` on the device."""
+        on ``programs`` (None: the current count) took ``elapsed_ns`` on the device. A copy
+        launched before the pacer widened counts in :attr:`achieved_GBps` only: its lag, and
+        its shortfall, are the narrower kernel's (measurements land up to a level's copies
+        late)."""
         if elapsed_ns <= 0:
             return
         if scheduled_GBps is None:
             scheduled_GBps = self.schedule_GBps(nbytes)
+        achieved = nbytes / elapsed_ns
+        old = self.achieved_GBps
+        self.achieved_GBps = achieved if old is None else old + self.SMOOTHING * (achieved - old)
+        if programs is not None and programs != self.programs:
+            if math.isinf(scheduled_GBps):
+                scheduled_GBps = self.rates.get(programs, math.inf)
+            self.history.append((nbytes, scheduled_GBps, elapsed_ns))
+            return
         unpaced = math.isinf(scheduled_GBps)
         if unpaced:
             scheduled_GBps = self.raw_GBps or math.inf
         lag = max(0.0, elapsed_ns - nbytes / scheduled_GBps)
         self._lags_ns.setdefault(nbytes, collections.deque(maxlen=self.LAG_WINDOW)).append(lag)
         self.history.append((nbytes, scheduled_GBps, elapsed_ns))
-        achieved = nbytes / elapsed_ns
-        old = self.achieved_GBps
-        self.achieved_GBps = achieved if old is None else old + self.SMOOTHING * (achieved - old)
         self._short = self._short + 1 if unpaced and achieved < self.target_GBps else 0
         if self._short >= self.WIDEN_AFTER:
             self._widen()
@@ -275,9 +290,9 @@ class Pacer:
 
     def _settle(self) -> None:
         """Account every timed copy that has finished (non-blocking, in order)."""
-        while self._timed and self._timed[0][3].query():
-            nbytes, scheduled, start, end = self._timed.popleft()
-            self.observe(nbytes, start.elapsed_time(end) * 1e6, scheduled)
+        while self._timed and self._timed[0][4].query():
+            nbytes, scheduled, programs, start, end = self._timed.popleft()
+            self.observe(nbytes, start.elapsed_time(end) * 1e6, scheduled, programs)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._settle()
@@ -288,7 +303,7 @@ class Pacer:
         start.record()
         self._launch(dst, src, self.programs, pace_ps)
         end.record()
-        self._timed.append((nbytes, scheduled, start, end))
+        self._timed.append((nbytes, scheduled, self.programs, start, end))
 
     def describe(self) -> str:
         return (

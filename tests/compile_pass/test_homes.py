@@ -187,3 +187,22 @@ def test_copies_short_of_the_target_unpaced_widen_to_more_programs() -> None:
     for _ in range(10):
         pacer.observe(nbytes, *contended_copy(pacer, nbytes, 0.2)[::-1])
     assert pacer.programs == 64 and pacer.achieved_GBps < 390.0
+
+
+def test_copies_launched_before_a_widening_do_not_widen_again() -> None:
+    """A step queues a level's copies before the first is timed, so measurements land late:
+    copies launched on the narrower programs come in after the pacer widened. Their
+    shortfall is the narrower kernel's and must not widen it a second time."""
+    rates = {16: 420.0, 32: 796.0, 64: 1400.0}
+    nbytes = 486_555_648
+    pacer = Pacer(390.0)
+    pacer.rates, pacer.programs, pacer.raw_GBps = rates, 16, 420.0
+    queued: list[tuple[float, float, int]] = []
+    for _ in range(60):  # beside a step that leaves 60%: 16 programs 252 GB/s, 32 478
+        scheduled, elapsed = contended_copy(pacer, nbytes, 0.6)
+        queued.append((elapsed, scheduled, pacer.programs))
+        if len(queued) > 8:
+            pacer.observe(nbytes, *queued.pop(0))
+    assert pacer.programs == 32
+    scheduled, elapsed = contended_copy(pacer, nbytes, 0.6)
+    assert nbytes / elapsed == pytest.approx(390.0, rel=0.01)

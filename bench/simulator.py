@@ -761,7 +761,8 @@ def _spread(values: list[float]) -> dict[str, Any]:
 def step_model_for(args: argparse.Namespace, link_GBps: float) -> StepModel:
     """The H200's calibrated Qwen3-32B, or with ``--machine`` the scaled model; with
     ``--calibration`` the decode steps, piecewise penalty and change stalls a plugin server
-    measured on its machine replace theirs (:func:`from_calibration`)."""
+    measured on its machine replace theirs (:func:`from_calibration`); with
+    ``--ms-per-prefill-token`` the prefill token's price is that."""
     if args.machine is None:
         model = StepModel(link_GBps=link_GBps)
     else:
@@ -775,6 +776,8 @@ def step_model_for(args: argparse.Namespace, link_GBps: float) -> StepModel:
         if not calibration:
             raise ValueError(f"{args.calibration}: no calibration (a plugin run of serve_bench)")
         model = from_calibration(calibration, model)
+    if getattr(args, "ms_per_prefill_token", None) is not None:
+        model = dataclasses.replace(model, ms_per_prefill_token=args.ms_per_prefill_token)
     return model
 
 
@@ -866,6 +869,13 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--plugin-config", default="{}")
+    parser.add_argument(
+        "--ms-per-prefill-token",
+        type=float,
+        default=None,
+        help="the step model's price of a prefill token (default: the H200's long-prompt fit, "
+        "0.1046; a decode token costs 0.057): how much the validation rests on it",
+    )
     parser.add_argument(
         "--kv-offloading-size",
         type=float,

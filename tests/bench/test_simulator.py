@@ -7,6 +7,7 @@ doc QA's documents come back from the CPU tier instead of being recomputed."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -34,6 +35,7 @@ def run(
     kv_blocks: int = 6095,
     kv_offloading_size: float | None = None,
     plugin_config: str = "{}",
+    model: StepModel | None = None,
 ) -> dict:
     args = argparse.Namespace(
         system=system,
@@ -46,7 +48,7 @@ def run(
         plugin_config=plugin_config,
         kv_offloading_size=kv_offloading_size,
     )
-    return simulate(args, StepModel(link_GBps=link), requests)
+    return simulate(args, model or StepModel(link_GBps=link), requests)
 
 
 def test_a_short_trace_replays_as_committed(tmp_path: Path) -> None:
@@ -290,3 +292,23 @@ def test_a_servers_start_up_calibration_replaces_the_scaled_decode_steps(tmp_pat
     cmd += ["--calibration", str(run_file), "--trace", str(requests), "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
     assert json.loads(out.read_text())["model"]["intercept_ms"] == pytest.approx(24.68)
+
+
+def test_the_prefill_tokens_price_can_be_set_and_moves_a_prefill_heavy_replay(
+    tmp_path: Path,
+) -> None:
+    """The step model prices a prefill token by the H200's long-prompt fit (0.1046 ms),
+    about twice a decode token's (0.057). ``--ms-per-prefill-token`` says how much a
+    validation rests on that price: priced as a decode token, long prompts finish sooner."""
+    from bench.simulator import step_model_for
+
+    args = argparse.Namespace(machine=None, calibration=None, ms_per_prefill_token=None)
+    assert step_model_for(args, 55.3) == StepModel()
+    args.ms_per_prefill_token = 0.057
+    cheap = step_model_for(args, 55.3)
+    assert cheap == dataclasses.replace(StepModel(), ms_per_prefill_token=0.057)
+    requests = trace(
+        tmp_path, "poisson", "--workload", "longprompt", "--rate", "2", "--seconds", "4"
+    )
+    base, faster = run("stock", requests), run("stock", requests, model=cheap)
+    assert faster["mean_e2el_ms"] < 0.8 * base["mean_e2el_ms"]

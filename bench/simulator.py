@@ -873,8 +873,9 @@ def main() -> None:
         "--ms-per-prefill-token",
         type=float,
         default=None,
-        help="the step model's price of a prefill token (default: the H200's long-prompt fit, "
-        "0.1046; a decode token costs 0.057): how much the validation rests on it",
+        help="the step model's price of a prefill token (default: the H200 microbenchmark's "
+        "prefill of 2,048-token prompts, 0.1046; a decode token costs 0.057): how much the "
+        "validation rests on it",
     )
     parser.add_argument(
         "--kv-offloading-size",

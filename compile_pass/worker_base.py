@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import socket
 import time
 from typing import Any, TypeVar
 
@@ -40,7 +41,13 @@ from dynoff.compile_pass.levels import LevelChanger, gather_all
 from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.timing import StepTimer, Timed
-from dynoff.policy.config import SUPPORTED_KV_CONNECTORS, DynamicOffloadConfig
+from dynoff.policy.config import (
+    HOST_HEADROOM,
+    SUPPORTED_KV_CONNECTORS,
+    DynamicOffloadConfig,
+    HostShare,
+    kv_tier_host_bytes,
+)
 from dynoff.policy.geometry import (
     CapacityPlan,
     KVLayout,
@@ -63,6 +70,7 @@ from dynoff.policy.messages import (
     ResizeOutcome,
     StepReport,
 )
+from dynoff.policy.status import board_dir, publish_max_level
 
 logger = init_logger("vllm.dynoff.worker")
 T = TypeVar("T")
@@ -237,9 +245,7 @@ class DynamicOffloadMixin:
                 "cuda", device=torch.cuda.current_device(), page_size=self._page_size(config)
             )
         probe = sum(p.numel() * p.element_size() for p in layers[0].parameters())
-        max_level = config.policy.resolve_max_level(
-            len(layers), probe, psutil.virtual_memory().available
-        )
+        max_level = self._fit_max_level(config, len(layers), probe)
         cuda = not current_platform.is_cpu()
         torch_before = torch.cuda.memory_allocated() if cuda else 0
         started = time.perf_counter()
@@ -278,6 +284,43 @@ class DynamicOffloadMixin:
             else "",
         )
         return _State(config, arena, placement, engine, rt)
+
+    def _fit_max_level(
+        self, config: DynamicOffloadConfig, num_layers: int, layer_bytes: int
+    ) -> int:
+        """The max level every rank can pin host memory for, agreed before any rank pins
+        (the gather is the barrier), and published for the scheduler, which cannot see the
+        host memory the workers saw before they pinned it."""
+        memory = psutil.virtual_memory()
+        world = self.vllm_config.parallel_config.world_size  # type: ignore[attr-defined]
+        share = HostShare(
+            socket.gethostname(),
+            memory.available,
+            memory.total,
+            layer_bytes,
+            kv_tier_host_bytes(self.vllm_config) // world,  # type: ignore[attr-defined]
+        )
+        shares = self._gather([share])
+        max_level = config.policy.fit_max_level(num_layers, shares)
+        if max_level < num_layers // 2:
+            budget = HostShare.budgets(shares)[self.rank]  # type: ignore[attr-defined]
+            logger.warning(
+                "dynamic offload: max level %d, not %d: %.1f GiB of host memory may be pinned "
+                "for this rank (%.1f GiB available, %d%% kept free) and a level pins two "
+                'layers of %.2f GiB; set "policy": {"max_level": K} to choose',
+                max_level,
+                num_layers // 2,
+                budget / 2**30,
+                memory.available / 2**30,
+                round(100 * HOST_HEADROOM),
+                layer_bytes / 2**30,
+            )
+        if self.rank == 0:  # type: ignore[attr-defined]
+            try:
+                publish_max_level(board_dir(self.vllm_config.instance_id), max_level)  # type: ignore[attr-defined]
+            except (OSError, ValueError) as e:
+                logger.warning("dynamic offload: could not publish the max level: %s", e)
+        return max_level
 
     def _page_size(self, config: DynamicOffloadConfig) -> int:
         """CUDA: the granule for vLLM's per-layer KV tensors; for the packed layout the page

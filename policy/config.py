@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,7 +45,8 @@ class PolicyConfig:
         high_threshold: τ_h. KV utilisation above it (or any waiting request) is high pressure.
         low_threshold: τ_l. No waiting request and utilisation below it is low pressure.
         cooldown_steps: C. Steps after a level change during which no decision is taken.
-        max_level: M. Highest offload depth; ``None`` means ⌊N/2⌋ (checked by ``validate``).
+        max_level: M. Highest offload depth; ``None`` means ⌊N/2⌋, or the largest level
+            the host memory can pin if that is less (:meth:`resolve_max_level`).
         warmup: start at M and step down one level at a time, measuring each level.
         warmup_samples: decode-only steps averaged at each level during warm-up.
         estimator: where L_k comes from: ``"measured"`` (the seed's per-level averages) or
@@ -171,7 +173,9 @@ class PolicyConfig:
         self, num_layers: int, layer_bytes: int, pinned_bytes_available: int | None
     ) -> int:
         """The max level for a model of ``num_layers`` equal layers, checked against ⌊N/2⌋
-        and pinned host memory (each level pins two layers: the pair sharing one region);
+        and the host memory this rank may pin (each level pins two layers: the pair sharing
+        one region). An explicit ``max_level`` that does not fit is refused; the default
+        (``None``) takes the largest level that fits, up to ⌊N/2⌋.
         ``pinned_bytes_available=None`` leaves the memory unchecked."""
         if num_layers < 2:
             raise ValueError(
@@ -185,18 +189,81 @@ class PolicyConfig:
                 f"set max_level <= {ceiling}"
             )
         per_level = 2 * layer_bytes
-        if (
-            pinned_bytes_available is not None
-            and per_level > 0
-            and level * per_level > pinned_bytes_available
-        ):
-            fits = pinned_bytes_available // per_level
-            raise ValueError(
-                f"max_level={level} needs {level * per_level / 2**30:.1f} GiB of pinned host "
-                f"memory ({2} layers of {layer_bytes / 2**30:.2f} GiB per level) but only "
-                f"{pinned_bytes_available / 2**30:.1f} GiB is available; set max_level <= {fits}"
+        if pinned_bytes_available is None or per_level <= 0:
+            return level
+        fits = max(0, pinned_bytes_available) // per_level
+        if level <= fits:
+            return level
+        if self.max_level is None:
+            return fits
+        raise ValueError(
+            f"max_level={level} needs {level * per_level / 2**30:.1f} GiB of pinned host "
+            f"memory ({2} layers of {layer_bytes / 2**30:.2f} GiB per level) but only "
+            f"{max(0, pinned_bytes_available) / 2**30:.1f} GiB may be pinned; set "
+            f"max_level <= {fits}, or leave it unset for the largest level that fits"
+        )
+
+    def fit_max_level(self, num_layers: int, shares: Sequence[HostShare]) -> int:
+        """The one max level every rank can serve (``shares``: every rank's, in rank
+        order; the same answer on every rank): the smallest of what each rank's host
+        memory holds, :meth:`resolve_max_level` for each."""
+        if not shares:
+            raise ValueError("fit_max_level needs every rank's HostShare")
+        budgets = HostShare.budgets(shares)
+        try:
+            return min(
+                self.resolve_max_level(num_layers, share.layer_bytes, budget)
+                for share, budget in zip(shares, budgets, strict=True)
             )
-        return level
+        except ValueError as e:
+            if len(shares) == 1:
+                raise
+            raise ValueError(f"{e} (on the tightest of {len(shares)} ranks)") from e
+
+
+# Host memory left unpinned: the OS, vLLM's own processes and its pinned staging buffers.
+HOST_HEADROOM = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class HostShare:
+    """One rank's view of its host at start-up, before any rank pins: the host's name,
+    its available and total memory, the bytes of one of this rank's layers, and the bytes
+    of host memory vLLM itself will pin for this rank later (a CPU KV tier's share)."""
+
+    host: str
+    available: int
+    total: int
+    layer_bytes: int
+    reserved: int = 0
+
+    @staticmethod
+    def budgets(shares: Sequence[HostShare]) -> list[int]:
+        """What each rank may pin: its host's available memory (the least any of the
+        host's ranks saw), less ``HOST_HEADROOM`` of the host and what vLLM reserves there,
+        split evenly between the ranks on that host, which pin at the same time."""
+        hosts: dict[str, list[HostShare]] = {}
+        for share in shares:
+            hosts.setdefault(share.host, []).append(share)
+        free = {
+            host: min(s.available for s in ranks)
+            - int(HOST_HEADROOM * max(s.total for s in ranks))
+            - sum(s.reserved for s in ranks)
+            for host, ranks in hosts.items()
+        }
+        return [max(0, free[s.host]) // len(hosts[s.host]) for s in shares]
+
+
+def kv_tier_host_bytes(vllm_config: Any) -> int:
+    """The host memory a CPU KV tier will pin, summed over the ranks
+    (``cpu_bytes_to_use`` of ``--kv-offloading-size`` or ``--kv-transfer-config``); 0
+    without one."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+    try:
+        return max(0, int(float(extra.get("cpu_bytes_to_use") or 0)))
+    except (TypeError, ValueError):
+        return 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ from dynoff.policy.config import DynamicOffloadConfig
 from dynoff.policy.controller import OffloadController
 from dynoff.policy.geometry import (
     GRANULE,
+    PlanMismatchError,
     choose_page_size,
     layout_strides,
     packed_kv_cache_config,
@@ -40,7 +41,7 @@ from dynoff.policy.geometry import (
     uses_v2_runner,
 )
 from dynoff.policy.messages import RUNNER_OUTPUT_ATTR, SCHEDULER_OUTPUT_ATTR
-from dynoff.policy.status import StatusBoard, board_dir
+from dynoff.policy.status import StatusBoard, board_dir, published_max_level
 
 logger = init_logger("vllm.dynoff.scheduler")
 
@@ -91,9 +92,7 @@ class DynamicOffloadScheduler(AsyncScheduler):
         model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
         num_layers = model_config.get_num_layers(parallel)
         layer_bytes = planned_layer_bytes(vllm_config, config.layer_bytes)
-        # The workers checked the pinned host memory before pinning it; checked again here,
-        # after they pinned it, it would count their copies against them.
-        max_level = config.policy.resolve_max_level(num_layers, layer_bytes, None)
+        max_level = self._workers_max_level(config, num_layers, layer_bytes)
         kv_cache_config = self.kv_cache_config
         kv_layout, _ = resolve_kv_layout(
             config.kv_layout,
@@ -148,6 +147,33 @@ class DynamicOffloadScheduler(AsyncScheduler):
             plan.layer_pages / plan.pages_per_group * plan.group_blocks,
             plan.group_blocks,
         )
+
+    def _workers_max_level(
+        self, config: DynamicOffloadConfig, num_layers: int, layer_bytes: int
+    ) -> int:
+        """The max level the workers fitted to the host memory before they pinned it (read
+        here, after they did, it would count their own copies against them), from rank 0's
+        note on the status board; without one (a rank 0 on another host), the
+        configuration's, which each worker's plan report is checked against on its first
+        step."""
+        configured = config.policy.resolve_max_level(num_layers, layer_bytes, None)
+        try:
+            published = published_max_level(board_dir(self.vllm_config.instance_id))
+        except ValueError:
+            published = None
+        if published is None:
+            return configured
+        if published > configured:
+            raise PlanMismatchError(
+                f"the workers packed for max level {published} but the configuration allows "
+                f"at most {configured}: were they started with another configuration?"
+            )
+        if published < configured:
+            logger.info(
+                "dynamic offload: max level %d, the largest the workers' host memory can pin",
+                published,
+            )
+        return published
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         # Pressure is what the last schedule left waiting (refused for KV space or the batch

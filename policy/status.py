@@ -83,6 +83,20 @@ def read_status(directory: Path) -> dict[str, Any] | None:
     return _read(directory / "status.json")
 
 
+def publish_max_level(directory: Path, max_level: int) -> None:
+    """Rank 0's worker: the max level the ranks agreed on (:meth:`PolicyConfig.fit_max_level`),
+    for the scheduler, which starts after the workers have pinned their host memory and so
+    cannot see what they saw."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _write_atomic(directory / "max_level.json", {"max_level": max_level, "pid": os.getpid()})
+
+
+def published_max_level(directory: Path) -> int | None:
+    """What :func:`publish_max_level` wrote, or None (a worker on another host, or none)."""
+    value = (_read(directory / "max_level.json") or {}).get("max_level")
+    return value if isinstance(value, int) and value >= 0 else None
+
+
 def control_error(pin: int | None, cap: int | None, top: int) -> str | None:
     """Why an operator's ``pin``/``cap`` does not fit a server whose plan tops out at level
     ``top``, or None when it fits. The endpoint refuses with it before writing the request

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from dynoff.policy.config import DynamicOffloadConfig, PolicyConfig
+from dynoff.policy.config import (
+    HOST_HEADROOM,
+    DynamicOffloadConfig,
+    HostShare,
+    PolicyConfig,
+    kv_tier_host_bytes,
+)
 
 GIB = 1 << 30
 
@@ -46,6 +52,51 @@ def test_max_level_is_checked_against_pinned_memory() -> None:
     with pytest.raises(ValueError, match=r"needs 16\.0 GiB of pinned .* set max_level <= 5"):
         PolicyConfig(max_level=8).resolve_max_level(64, GIB, 10 * GIB)
     assert PolicyConfig(max_level=5).resolve_max_level(64, GIB, 10 * GIB) == 5
+
+
+def test_the_default_max_level_is_the_largest_the_host_can_pin() -> None:
+    """Unset, max_level is N/2 where the host memory holds it and the largest level that
+    fits where it does not, instead of refusing to start."""
+    assert PolicyConfig().resolve_max_level(64, GIB, 10 * GIB) == 5
+    assert PolicyConfig().resolve_max_level(64, GIB, GIB) == 0
+    assert PolicyConfig().resolve_max_level(64, GIB, -GIB) == 0
+    assert PolicyConfig().resolve_max_level(64, GIB, 64 * GIB) == 32
+
+
+def test_ranks_agree_on_one_max_level_from_what_their_hosts_can_pin() -> None:
+    """Ranks on one host pin at the same time, so they split its memory (less the
+    headroom and what a CPU KV tier will pin); every rank gets the tightest rank's level."""
+    one = HostShare("a", available=100 * GIB, total=100 * GIB, layer_bytes=GIB)
+    assert HostShare.budgets([one]) == [int((1 - HOST_HEADROOM) * 100 * GIB)]
+    assert PolicyConfig().fit_max_level(128, [one]) == 45  # 90 GiB / 2 GiB a level
+    assert PolicyConfig().fit_max_level(64, [one]) == 32  # N/2 fits
+    # Two ranks on host "a" (one saw less free, after some other allocation) and one on "b".
+    shares = [
+        HostShare("a", 100 * GIB, 100 * GIB, GIB, reserved=4 * GIB),
+        HostShare("a", 96 * GIB, 100 * GIB, GIB, reserved=4 * GIB),
+        HostShare("b", 100 * GIB, 100 * GIB, GIB, reserved=4 * GIB),
+    ]
+    budgets = HostShare.budgets(shares)
+    assert budgets[0] == budgets[1] == (96 * GIB - int(0.1 * 100 * GIB) - 8 * GIB) // 2
+    assert budgets[2] == 100 * GIB - int(0.1 * 100 * GIB) - 4 * GIB
+    assert PolicyConfig().fit_max_level(128, shares) == budgets[0] // (2 * GIB) == 19
+    with pytest.raises(ValueError, match=r"set max_level <= 19.*tightest of 3 ranks"):
+        PolicyConfig(max_level=20).fit_max_level(128, shares)
+
+
+def test_a_cpu_kv_tier_is_counted_against_the_pinnable_memory() -> None:
+    from vllm.config import KVTransferConfig
+
+    class Config:
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": 8.0 * GIB},
+        )
+
+    assert kv_tier_host_bytes(Config()) == 8 * GIB
+    Config.kv_transfer_config = None  # type: ignore[assignment]
+    assert kv_tier_host_bytes(Config()) == 0
 
 
 def test_model_estimator_needs_a_model() -> None:

@@ -26,6 +26,7 @@ from dynoff.policy.geometry import (
 from dynoff.policy.latency import StepShape
 from dynoff.policy.messages import PlanReport, ResizeOutcome, StepReport
 from dynoff.policy.scheduler import DynamicOffloadScheduler
+from dynoff.policy.status import STATUS_DIR_ENV, board_dir, publish_max_level
 from tests.policy.kv_fixtures import SPEC, make_request
 
 MODEL = str(Path(__file__).parents[1] / "models" / "tiny-llama")
@@ -33,10 +34,14 @@ PAGE = 64 << 10
 
 
 def build(
-    tmp_path: Path, schedule: list[list[int]], transfer: KVTransferConfig | None = None
+    tmp_path: Path,
+    schedule: list[list[int]],
+    transfer: KVTransferConfig | None = None,
+    published: int | None = None,
 ) -> DynamicOffloadScheduler:
     """The scheduler as vLLM builds it for a tiny Llama at levels 0..2 (``transfer``: a KV
-    connector, e.g. vLLM's CPU KV offloading)."""
+    connector, e.g. vLLM's CPU KV offloading; ``published``: the max level rank 0's worker
+    fitted to the host memory and published, the KV cache sized for it)."""
     model = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512)
     extra = {
         "dynamic_offload": {
@@ -55,9 +60,12 @@ def build(
     # What the worker does: size the KV cache for the highest level's capacity.
     strides = (SPEC.page_size_bytes,) * 4
     layer_bytes = decoder_layer_bytes(model.hf_config, 2)
+    max_level = 2 if published is None else published
     plan = plan_capacity(
-        strides, base_blocks=64, layer_bytes=layer_bytes, max_level=2, page_size=PAGE
+        strides, base_blocks=64, layer_bytes=layer_bytes, max_level=max_level, page_size=PAGE
     )
+    if published is not None:
+        publish_max_level(board_dir(vllm_config.instance_id), published)
     kv = per_layer_kv_cache_config(plan.num_blocks, SPEC, 4)
     assert layout_strides(kv) == strides
     cache.num_gpu_blocks = plan.num_blocks  # what EngineCore sets after profiling
@@ -159,6 +167,34 @@ def test_the_scheduler_goes_on_only_if_every_rank_maps_its_plan(tmp_path: Path) 
             first,
             StepReport(scheduler.current_step, 0, 5.0, 0, 16, (), None, 0.0, fewer),
         )
+
+
+def test_the_scheduler_serves_the_max_level_the_workers_could_pin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers fit the default max level to their host memory before they pin it; the
+    scheduler, built after they pinned it, takes theirs from the board, not N/2 (2 for the
+    tiny Llama's 4 layers), so the plans agree and level 2 is never handed out."""
+    monkeypatch.setenv(STATUS_DIR_ENV, str(tmp_path))
+    scheduler = build(tmp_path, schedule=[], published=1)
+    assert scheduler.offload.plan.max_level == 1
+    assert scheduler.offload.policy.max_level == 1
+    expected = scheduler.offload.expected_plan
+    assert expected is not None and expected.max_level == 1
+    scheduler.add_request(make_request(list(range(16))))
+    first = scheduler.schedule()
+    plans = (worker_plan(scheduler, 0),)
+    finish_step(
+        scheduler, first, StepReport(scheduler.current_step, 0, 5.0, 0, 16, (), None, 0.0, plans)
+    )
+    scheduler.shutdown()
+    assert '"event": "plan_checked"' in (tmp_path / "trace.jsonl").read_text()
+
+    unpublished = build(tmp_path, schedule=[])  # no note on the board: the configuration's
+    assert unpublished.offload.plan.max_level == 2
+    unpublished.shutdown()
+    with pytest.raises(PlanMismatchError, match="packed for max level 3 but .* at most 2"):
+        build(tmp_path, schedule=[], published=3)
 
 
 def test_a_plan_that_promises_more_pages_than_a_level_frees_is_refused(tmp_path: Path) -> None:

@@ -261,7 +261,15 @@ def plugin_summary(trace: Path, start: int = 0, end: int | None = None) -> dict[
     }
 
 
-FORWARD_COLUMNS = ("t_s", "level", "forward_ms", "decode_tokens", "prefill_tokens", "context")
+FORWARD_COLUMNS = (
+    "t_s",
+    "level",
+    "forward_ms",
+    "decode_tokens",
+    "prefill_tokens",
+    "context",
+    "prefill_pairs",
+)
 
 
 def forward_steps(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -279,6 +287,7 @@ def forward_steps(records: list[dict[str, Any]]) -> dict[str, Any]:
             r.get("decode_tokens", 0),
             r.get("prefill_tokens", 0),
             r.get("context_tokens", 0),
+            r.get("prefill_pairs", 0),
         ]
         for r in records
         if r.get("kind") == "forward" and r.get("forward_ms")

@@ -22,6 +22,7 @@ class Timed:
     prefill_tokens: int
     context_tokens: int = 0
     forward_ms: float = 0.0
+    prefill_pairs: int = 0
 
 
 class StepTimer:

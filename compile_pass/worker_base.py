@@ -61,7 +61,7 @@ from dynoff.policy.geometry import (
     resolve_kv_layout,
     uses_v2_runner,
 )
-from dynoff.policy.latency import StepShape
+from dynoff.policy.latency import StepShape, prefill_pairs
 from dynoff.policy.messages import (
     RUNNER_OUTPUT_ATTR,
     SCHEDULER_OUTPUT_ATTR,
@@ -553,7 +553,10 @@ class DynamicOffloadMixin:
             state.last_command = command.command_id
         state.step += 1
         decode, prefill, context = StepShape.of(scheduler_output)
-        state.timer.start(Timed(state.step, state.placement.level, decode, prefill, context))
+        pairs = prefill_pairs(scheduler_output) if prefill else 0
+        state.timer.start(
+            Timed(state.step, state.placement.level, decode, prefill, context, prefill_pairs=pairs)
+        )
         output = super().execute_model(scheduler_output)  # type: ignore[misc]
         return self._attach(output)
 
@@ -584,6 +587,7 @@ class DynamicOffloadMixin:
             state.placement.level,
             timed.context_tokens,
             self._link_GBps(),
+            timed.prefill_pairs,
         )
         state.calibration = None
         state.plans = ()

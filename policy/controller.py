@@ -311,6 +311,7 @@ class OffloadController:
                 decode_tokens=report.num_decode_tokens,
                 prefill_tokens=report.num_prefill_tokens,
                 context_tokens=report.num_context_tokens,
+                **({"prefill_pairs": report.prefill_pairs} if report.prefill_pairs else {}),
             )
         if self.inflight is not None and report.last_command >= self.inflight.command_id:
             self._ran_at = report.level_now

@@ -86,6 +86,21 @@ class StepShape(NamedTuple):
         return cls(decode, prefill, context)
 
 
+def prefill_pairs(scheduler_output: Any) -> int:
+    """The (query, key) pairs the step's prefill chunks attend: a chunk of ``n`` tokens after
+    ``c`` computed ones reads ``n * c + n * (n + 1) / 2``. What a long prompt's later chunks
+    cost beyond their tokens; recorded beside each timed step (``bench.serve_bench``'s
+    ``forward_steps``) for the simulator's prefill price, not priced by the policy (a level
+    does not change it)."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    return sum(
+        n * computed.get(req_id, 0) + n * (n + 1) // 2 for req_id, n in scheduled.items() if n > 1
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCost:
     """A level-0 step's time as a function of its composition: ``intercept_ms +

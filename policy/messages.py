@@ -152,6 +152,8 @@ class StepReport:
         link_GBps: with a paced device home (the fast-link emulation), the bandwidth its
             copies reached lately while serving (:attr:`~dynoff.compile_pass.homes.Pacer.
             achieved_GBps`), every ``LINK_REPORT_STEPS`` steps; None otherwise.
+        prefill_pairs: the (query, key) pairs the step's prefill chunks attend
+            (:func:`~dynoff.policy.latency.prefill_pairs`), for the trace.
     """
 
     step: int
@@ -167,6 +169,7 @@ class StepReport:
     level_now: int | None = None
     num_context_tokens: int = 0
     link_GBps: float | None = None
+    prefill_pairs: int = 0
 
     @property
     def timed(self) -> bool:

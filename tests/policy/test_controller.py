@@ -384,17 +384,20 @@ def test_a_serving_runs_summary_keeps_the_timed_steps(tmp_path) -> None:
     from bench.serve_bench import FORWARD_COLUMNS, plugin_summary
 
     ctl, _ = controller(tmp_path, schedule=[(1, 0)])
-    shapes = {10: (64, 0, 20_000), 11: (60, 2048, 19_000), 12: (0, 0, 0)}
-    for step, (decode, prefill, context) in shapes.items():
+    shapes = {10: (64, 0, 20_000, 0), 11: (60, 2048, 19_000, 3_000_000), 12: (0, 0, 0, 0)}
+    for step, (decode, prefill, context, pairs) in shapes.items():
         ctl.on_schedule_start(step, 0, 0)
         forward = 0.0 if step == 12 else 20.0 + step  # step 12: not timed
-        ctl.on_report(StepReport(step, 0, forward, decode, prefill, num_context_tokens=context))
+        report = StepReport(
+            step, 0, forward, decode, prefill, num_context_tokens=context, prefill_pairs=pairs
+        )
+        ctl.on_report(report)
     ctl.trace.close()
     steps = plugin_summary(tmp_path / "trace.jsonl")["forward_steps"]
     assert steps["columns"] == list(FORWARD_COLUMNS)
     assert [row[1:] for row in steps["rows"]] == [
-        [0, 30.0, 64, 0, 20_000],
-        [0, 31.0, 60, 2048, 19_000],
+        [0, 30.0, 64, 0, 20_000, 0],
+        [0, 31.0, 60, 2048, 19_000, 3_000_000],  # the prefill's attention pairs too
     ]
     assert all(row[0] >= 0.0 for row in steps["rows"])
 

@@ -23,7 +23,7 @@ from dynoff.policy.geometry import (
     plan_capacity,
     planned_layer_bytes,
 )
-from dynoff.policy.latency import StepShape
+from dynoff.policy.latency import StepShape, prefill_pairs
 from dynoff.policy.messages import PlanReport, ResizeOutcome, StepReport
 from dynoff.policy.scheduler import DynamicOffloadScheduler
 from dynoff.policy.status import STATUS_DIR_ENV, board_dir, publish_max_level
@@ -193,7 +193,7 @@ def test_the_scheduler_serves_the_max_level_the_workers_could_pin(
     unpublished = build(tmp_path, schedule=[])  # no note on the board: the configuration's
     assert unpublished.offload.plan.max_level == 2
     unpublished.shutdown()
-    with pytest.raises(PlanMismatchError, match="packed for max level 3 but .* at most 2"):
+    with pytest.raises(PlanMismatchError, match=r"packed for max level 3 but .* at most 2"):
         build(tmp_path, schedule=[], published=3)
 
 
@@ -243,6 +243,8 @@ def test_the_audit_counts_tokens_served_not_tokens_recomputed(tmp_path: Path) ->
     output = scheduler.schedule()
     assert output.num_scheduled_tokens[second.request_id] == 8
     assert served[-1][1] == 40 + 1
+    # Its 8 tokens attend the 32 cached ones and each other (the decode beside them: none).
+    assert prefill_pairs(output) == 8 * 32 + 8 * 9 // 2
     # Resumed after a preemption (its prompt and first token computed again in one chunk):
     # one token of output, not the prompt a second time.
     second.append_output_token_ids(7)
@@ -265,13 +267,16 @@ def test_a_step_reports_the_kv_its_decodes_read(tmp_path: Path) -> None:
     scheduler.add_request(short)
     first = scheduler.schedule()
     assert StepShape.of(first) == (0, 20, 0)  # a prefill: no decode, no context read
+    assert prefill_pairs(first) == 20 * 21 // 2  # each token attends those before it
     finish_step(scheduler, first, StepReport(scheduler.current_step, 0, 5.0, 0, 20, ()))
     scheduler.add_request(long_)  # a new request and a decoding one in the same step
     second = scheduler.schedule()
     assert StepShape.of(second) == (1, 70, 20)
+    assert prefill_pairs(second) == 70 * 71 // 2
     finish_step(scheduler, second, StepReport(scheduler.current_step, 0, 5.0, 1, 70, ()))
     third = scheduler.schedule()
     assert StepShape.of(third) == (2, 0, 21 + 70)
+    assert prefill_pairs(third) == 0
     scheduler.shutdown()
 
 

@@ -59,6 +59,11 @@ class StepModel:
     # decode steps did not: a token of context costs its KV bytes (64 layers x K, V x 8
     # heads x 128 x 2 B = 256 KiB for Qwen3-32B) at the H200's HBM bandwidth (~4.0 TB/s).
     ms_per_context_token: float = 262_144 / 4.0e12 * 1e3
+    # A prefill chunk's attention over the prompt before it and itself, per (query, key) pair
+    # (:func:`~dynoff.policy.latency.prefill_pairs`): unpriced (0) until fitted to a serving
+    # run's timed steps (``--check-steps RUN --fit-prefill``); ``ms_per_prefill_token`` was
+    # measured on 2,048-token prompts, whose own attention it includes.
+    ms_per_prefill_pair: float = 0.0
 
     def calibration(self) -> Any:
         """What the workers' start-up calibration would measure on this machine."""
@@ -165,7 +170,8 @@ def scaled_step_model(
     fast), attention's reads by the KV bytes a GPU holds per token, and, with TP > 1, two
     all-reduces per layer (12 us each, plus each token's hidden state over NVLink). The
     piecewise penalty scales with the layer count, a change's stall with a layer's bytes
-    on a GPU (its pages)."""
+    on a GPU (its pages), a prefill pair's attention with the layers times the hidden size
+    over the FLOPs."""
     ref, qwen = REFERENCE, MODELS["qwen3-32b"]
     h200 = MACHINES["h200"]
     weights = (model.decoder_weight_bytes + model.other_weight_bytes) / tp
@@ -193,6 +199,13 @@ def scaled_step_model(
         stall_up_ms=ref.stall_up_ms * layer / ref_layer,
         stall_down_ms=ref.stall_down_ms * layer / ref_layer,
         ms_per_context_token=model.kv_bytes_per_token / tp / (machine.hbm_TBps * 0.833e12) * 1e3,
+        # a pair's attention: layers x query width (about the hidden size), bf16 FLOPs
+        ms_per_prefill_pair=ref.ms_per_prefill_pair
+        * (model.num_layers * model.hidden)
+        / (qwen.num_layers * qwen.hidden)
+        / tp
+        * h200.bf16_TFLOPs
+        / machine.bf16_TFLOPs,
     )
 
 
@@ -399,7 +412,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.outputs import ModelRunnerOutput
 
-    from dynoff.policy.latency import StepShape
+    from dynoff.policy.latency import StepShape, prefill_pairs
     from dynoff.policy.messages import ResizeOutcome, StepReport
 
     init_none_hash(sha256)
@@ -452,6 +465,8 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
         shape = StepShape.of(out)
         decode, prefill, context = shape
         forward = cost.step_ms(level, shape) if decode + prefill else 0.0
+        if prefill and model.ms_per_prefill_pair:
+            forward += model.ms_per_prefill_pair * prefill_pairs(out)
         connector_output = None
         if tier is not None:
             copy_ms = 2 * level * model.layer_bytes / (model.link_GBps * 1e9) * 1e3
@@ -725,26 +740,82 @@ def step_class(shape: Any) -> str:
     return f"decode <={bound}" if bound else f"decode >{DECODE_BATCHES[-1]}"
 
 
+LONG_PREFILL = 2048  # --check-steps: a prefill chunk's mean attended context that is long
+
+
+def _timed_rows(forward_steps: dict[str, Any]) -> list[tuple[int, Any, int, float]]:
+    """``(level, StepShape, prefill_pairs, forward_ms)`` of each timed, non-empty step (runs
+    before the pairs were recorded: 0 pairs)."""
+    from dynoff.policy.latency import StepShape
+
+    col = {name: i for i, name in enumerate(forward_steps["columns"])}
+    pairs_col = col.get("prefill_pairs")
+    rows = []
+    for row in forward_steps["rows"]:
+        decode, prefill = int(row[col["decode_tokens"]]), int(row[col["prefill_tokens"]])
+        measured = float(row[col["forward_ms"]])
+        if measured <= 0 or decode + prefill == 0:
+            continue
+        pairs = int(row[pairs_col]) if pairs_col is not None and pairs_col < len(row) else 0
+        shape = StepShape(decode, prefill, int(row[col["context"]]))
+        rows.append((int(row[col["level"]]), shape, pairs, measured))
+    return rows
+
+
 def check_steps(model: StepModel, forward_steps: dict[str, Any]) -> dict[str, Any]:
     """The step model against the steps a serving run timed (``bench.serve_bench``'s
     ``forward_steps``): per class of step, how many, and the median, 10th and 90th
     percentile of predicted / measured - 1. End-to-end figures blend every step's error
-    with the scheduler's; this reads the model alone, where the GPU measured it."""
-    from dynoff.policy.latency import StepShape
-
+    with the scheduler's; this reads the model alone, where the GPU measured it. Mixed
+    steps whose prefill chunks attend more than ``LONG_PREFILL`` tokens on average (runs
+    that recorded the pairs) are also classed apart: their attention is what a per-token
+    prefill price misses."""
     cost = model.cost_model()
-    col = {name: i for i, name in enumerate(forward_steps["columns"])}
     errors: dict[str, list[float]] = {}
-    for row in forward_steps["rows"]:
-        decode, prefill = int(row[col["decode_tokens"]]), int(row[col["prefill_tokens"]])
-        shape = StepShape(decode, prefill, int(row[col["context"]]))
-        measured = float(row[col["forward_ms"]])
-        if measured <= 0 or decode + prefill == 0:
-            continue
-        predicted = cost.step_ms(int(row[col["level"]]), shape)
-        errors.setdefault(step_class(shape), []).append(predicted / measured - 1)
-    errors["all"] = [e for values in errors.values() for e in values]
+    for level, shape, pairs, measured in _timed_rows(forward_steps):
+        predicted = cost.step_ms(level, shape) + model.ms_per_prefill_pair * pairs
+        error = predicted / measured - 1
+        errors.setdefault(step_class(shape), []).append(error)
+        if shape.num_prefill_tokens and pairs > LONG_PREFILL * shape.num_prefill_tokens:
+            errors.setdefault(f"mixed, context >{LONG_PREFILL}", []).append(error)
+    errors["all"] = [e for name, values in errors.items() if "," not in name for e in values]
     return {name: _spread(values) for name, values in errors.items() if values}
+
+
+def fit_prefill(model: StepModel, forward_steps: dict[str, Any]) -> StepModel:
+    """``model`` with its prefill prices fitted to a run's level-0 mixed steps: what each
+    step took beyond the model's decode and context parts, as ``ms_per_prefill_token`` per
+    prefill token plus ``ms_per_prefill_pair`` per attended pair, least squares in relative
+    error (as :class:`~dynoff.policy.latency.StepTimeFit`), neither price negative."""
+    cost = model.cost_model()
+    sums = [0.0] * 5  # tt, tp, pp, ty, py
+    for level, shape, pairs, measured in _timed_rows(forward_steps):
+        if level or shape.decode_only:
+            continue
+        rest = measured - cost.step_ms(0, shape._replace(num_prefill_tokens=0))
+        w = 1.0 / measured**2
+        t = float(shape.num_prefill_tokens)
+        sums[0] += w * t * t
+        sums[1] += w * t * pairs
+        sums[2] += w * pairs * pairs
+        sums[3] += w * t * rest
+        sums[4] += w * pairs * rest
+    tt, tp, pp, ty, py = sums
+    if tt <= 0:
+        raise ValueError("no level-0 step with a prefill to fit the prefill price to")
+    det = tt * pp - tp * tp
+    per_token = per_pair = 0.0
+    if pp > 0 and det > 1e-12 * tt * pp:
+        per_token, per_pair = (ty * pp - py * tp) / det, (py * tt - ty * tp) / det
+    if per_pair <= 0 or per_token <= 0:  # one price alone
+        alone = [(max(ty / tt, 0.0), 0.0)] + ([(0.0, max(py / pp, 0.0))] if pp > 0 else [])
+
+        def rss(prices: tuple[float, float]) -> float:
+            a, b = prices
+            return a * a * tt + 2 * a * b * tp + b * b * pp - 2 * (a * ty + b * py)
+
+        per_token, per_pair = min(alone, key=rss)
+    return dataclasses.replace(model, ms_per_prefill_token=per_token, ms_per_prefill_pair=per_pair)
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
@@ -778,6 +849,8 @@ def step_model_for(args: argparse.Namespace, link_GBps: float) -> StepModel:
         model = from_calibration(calibration, model)
     if getattr(args, "ms_per_prefill_token", None) is not None:
         model = dataclasses.replace(model, ms_per_prefill_token=args.ms_per_prefill_token)
+    if getattr(args, "ms_per_prefill_pair", None) is not None:
+        model = dataclasses.replace(model, ms_per_prefill_pair=args.ms_per_prefill_pair)
     return model
 
 
@@ -878,6 +951,19 @@ def main() -> None:
         "validation rests on it",
     )
     parser.add_argument(
+        "--ms-per-prefill-pair",
+        type=float,
+        default=None,
+        help="the step model's price of a (query, key) pair a prefill chunk attends "
+        "(default 0: unpriced; --check-steps RUN --fit-prefill fits it)",
+    )
+    parser.add_argument(
+        "--fit-prefill",
+        action="store_true",
+        help="with --check-steps: fit the prefill prices to the run's level-0 steps and "
+        "check the model with them too",
+    )
+    parser.add_argument(
         "--kv-offloading-size",
         type=float,
         default=None,
@@ -901,7 +987,19 @@ def main() -> None:
             steps = (read_results(path).get("plugin") or {}).get("forward_steps")
             if not steps:
                 parser.error(f"{path}: no forward_steps (a plugin run of bench.serve_bench)")
-            checks[path] = check_steps(model, steps)
+            if args.fit_prefill:
+                fitted = fit_prefill(model, steps)
+                checks[path] = {
+                    "check": check_steps(model, steps),
+                    "fitted": {
+                        "ms_per_prefill_token": round(fitted.ms_per_prefill_token, 5),
+                        "ms_per_prefill_pair": fitted.ms_per_prefill_pair,
+                    },
+                    "check_fitted": check_steps(fitted, steps),
+                }
+                print(f"{path} fitted: {checks[path]['fitted']}")
+            else:
+                checks[path] = check_steps(model, steps)
             for name, row in checks[path].items():
                 print(f"{path} {name}: {row}")
         write_results(args.out, {"check_steps": checks, "model": dataclasses.asdict(model)})

@@ -257,6 +257,58 @@ def test_the_step_model_is_held_against_a_serving_runs_timed_steps(tmp_path: Pat
     assert json.loads(out.read_text())["check_steps"][str(run_file)] == result
 
 
+def test_the_prefill_prices_are_fitted_to_a_runs_level_0_steps(tmp_path: Path) -> None:
+    """Steps made with a known price per prefill token and per attended pair (a long prompt's
+    later chunks attend what came before): ``--fit-prefill`` recovers both, the fitted model
+    checks at 0 error where the per-token default is off on long contexts, and the pairs are
+    classed apart."""
+    from bench.serve_bench import FORWARD_COLUMNS
+    from bench.simulator import check_steps, fit_prefill
+    from dynoff.policy.latency import StepShape
+
+    truth = StepModel(ms_per_prefill_token=0.08, ms_per_prefill_pair=6e-6)
+    cost = truth.cost_model()
+    rows = []
+    for decode, prefill, computed in [
+        (0, 2048, 0),
+        (10, 2048, 2048),
+        (30, 2048, 6144),
+        (5, 512, 0),
+        (64, 0, 0),  # decode only: not fitted
+        (40, 1000, 12_000),
+    ]:
+        shape = StepShape(decode, prefill, 1_000 * decode)
+        pairs = prefill * computed + prefill * (prefill + 1) // 2
+        ms = cost.step_ms(0, shape) + truth.ms_per_prefill_pair * pairs
+        rows.append([0.0, 0, ms, decode, prefill, 1_000 * decode, pairs])
+    rows.append([0.0, 1, 500.0, 10, 2048, 0, 10**9])  # level 1: left out of the fit
+    steps = {"columns": list(FORWARD_COLUMNS), "rows": rows}
+
+    fitted = fit_prefill(StepModel(), steps)
+    assert fitted.ms_per_prefill_token == pytest.approx(0.08, rel=1e-6)
+    assert fitted.ms_per_prefill_pair == pytest.approx(6e-6, rel=1e-6)
+    default = check_steps(StepModel(), steps)
+    assert default["mixed, context >2048"]["steps"] == 4  # pairs / token above 2,048
+    assert default["all"]["steps"] == 7  # the long-context class is not counted twice
+    exact = check_steps(dataclasses.replace(fitted, link_GBps=55.3), steps)
+    assert exact["mixed, context >2048"]["median"] == pytest.approx(0.0, abs=1e-4)
+
+    # Pairs alone cannot be told from tokens when every chunk is a 2,048-token prompt's
+    # first: the per-token price alone is kept, not a negative pair price.
+    first_chunks = {"columns": list(FORWARD_COLUMNS), "rows": [rows[0], rows[3]]}
+    alone = fit_prefill(StepModel(), first_chunks)
+    assert alone.ms_per_prefill_token > 0 and alone.ms_per_prefill_pair >= 0
+
+    run_file = tmp_path / "plugin_run.json"
+    run_file.write_text(json.dumps({"plugin": {"forward_steps": steps}}))
+    out = tmp_path / "fit.json"
+    cmd = [sys.executable, "-m", "bench.simulator", "--check-steps", str(run_file)]
+    cmd += ["--fit-prefill", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+    written = json.loads(out.read_text())["check_steps"][str(run_file)]
+    assert written["fitted"]["ms_per_prefill_token"] == pytest.approx(0.08, rel=1e-4)
+
+
 def test_a_servers_start_up_calibration_replaces_the_scaled_decode_steps(tmp_path: Path) -> None:
     """On the H100 (2026-12-06) the scaled model made Qwen3-32B's decode steps 7-18%
     slower than the plugin's start-up calibration measured them (25.2 / 27.3 / 34.8 ms at

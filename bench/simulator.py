@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -424,6 +425,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
         block_bytes = sum(t.size for t in kv.kv_cache_tensors) // kv.num_blocks
         tier = KVTierLink(block_bytes, model.link_GBps)
     idle_steps = 0  # steps that scheduled nothing while the CPU tier's copies ran
+    host_s = 0.0  # wall time in the scheduler's schedule() and update_from_output()
     stalled = 0  # consecutive steps that scheduled nothing
     counters = PrefixCounters()
     pending = sorted(trace, key=lambda r: r["t"])
@@ -450,7 +452,9 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
         if not scheduler.has_requests():
             now = pending[nxt]["t"]
             continue
+        tick = time.perf_counter()
         out = scheduler.schedule()
+        host_s += time.perf_counter() - tick
         peak_kv = max(peak_kv, scheduler.kv_cache_manager.usage)
         command = getattr(out, "dynamic_offload", None)
         level = scheduler.offload.level if args.system == "plugin" else 0
@@ -518,7 +522,9 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
         for rid, tokens in zip(req_ids, sampled, strict=True):
             if tokens and rid not in first:
                 first[rid] = now
+        tick = time.perf_counter()
         engine_outputs = scheduler.update_from_output(out, result)
+        host_s += time.perf_counter() - tick
         counters.add(engine_outputs)
         for batch in engine_outputs.values():
             for o in batch.outputs:
@@ -529,6 +535,9 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             levels.append(scheduler.offload.level)
     bar.close()
     summary = report(arrival, first, done, outputs, now, steps, levels)
+    # The scheduler's own host time a step (this machine's CPU; not simulated, not replayed):
+    # what the plugin's scheduler adds to vLLM's, which async scheduling hides behind the GPU.
+    summary["host_ms_per_step"] = round(host_s / max(steps, 1) * 1e3, 3)
     summary["preemptions"] = sum(r.num_preemptions for r in made)
     summary["peak_kv_usage"] = round(peak_kv, 4)
     summary.update(counters.as_dict())

@@ -42,7 +42,6 @@ from dynoff.compile_pass.placement import WeightPlacement
 from dynoff.compile_pass.prefetch import PrefetchEngine
 from dynoff.compile_pass.timing import StepTimer, Timed
 from dynoff.policy.config import (
-    HOST_HEADROOM,
     SUPPORTED_KV_CONNECTORS,
     DynamicOffloadConfig,
     HostShare,
@@ -302,19 +301,8 @@ class DynamicOffloadMixin:
         )
         shares = self._gather([share])
         max_level = config.policy.fit_max_level(num_layers, shares)
-        if max_level < num_layers // 2:
-            budget = HostShare.budgets(shares)[self.rank]  # type: ignore[attr-defined]
-            logger.warning(
-                "dynamic offload: max level %d, not %d: %.1f GiB of host memory may be pinned "
-                "for this rank (%.1f GiB available, %d%% kept free) and a level pins two "
-                'layers of %.2f GiB; set "policy": {"max_level": K} to choose',
-                max_level,
-                num_layers // 2,
-                budget / 2**30,
-                memory.available / 2**30,
-                round(100 * HOST_HEADROOM),
-                layer_bytes / 2**30,
-            )
+        if (note := config.policy.capped_note(num_layers, shares, max_level)) is not None:
+            logger.warning("dynamic offload: %s", note)
         if self.rank == 0:  # type: ignore[attr-defined]
             try:
                 publish_max_level(board_dir(self.vllm_config.instance_id), max_level)  # type: ignore[attr-defined]

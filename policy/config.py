@@ -220,6 +220,26 @@ class PolicyConfig:
                 raise
             raise ValueError(f"{e} (on the tightest of {len(shares)} ranks)") from e
 
+    def capped_note(self, num_layers: int, shares: Sequence[HostShare], level: int) -> str | None:
+        """What to tell the operator when the default max level (unset) came out below
+        ⌊N/2⌋ for lack of host memory (``level``, from :meth:`fit_max_level`), or None: an
+        explicit ``max_level`` is what was asked for."""
+        if self.max_level is not None or level >= num_layers // 2:
+            return None
+        budgets = HostShare.budgets(shares)
+        tightest = min(
+            range(len(shares)), key=lambda r: budgets[r] // max(2 * shares[r].layer_bytes, 1)
+        )
+        share, budget = shares[tightest], budgets[tightest]
+        where = f"rank {tightest}" if len(shares) > 1 else "this server"
+        return (
+            f"max level {level}, not {num_layers // 2}: {budget / 2**30:.1f} GiB of host memory "
+            f"may be pinned for {where} ({share.available / 2**30:.1f} GiB available on "
+            f"{share.host}, {round(100 * HOST_HEADROOM)}% kept free) and a level pins two "
+            f'layers of {share.layer_bytes / 2**30:.2f} GiB; set "policy": {{"max_level": K}} '
+            "to choose, or free host memory"
+        )
+
 
 # Host memory left unpinned: the OS, vLLM's own processes and its pinned staging buffers.
 HOST_HEADROOM = 0.10

@@ -84,6 +84,20 @@ def test_ranks_agree_on_one_max_level_from_what_their_hosts_can_pin() -> None:
         PolicyConfig(max_level=20).fit_max_level(128, shares)
 
 
+def test_only_a_default_max_level_cut_short_is_reported() -> None:
+    """The operator hears why the default max level is below N/2; an explicit max_level (the
+    microbenchmark's 0, 2026-12-06 on an H100) is what was asked for, and says nothing."""
+    roomy = [HostShare("gpu-host", 124 * GIB, 125 * GIB, GIB)]
+    assert PolicyConfig(max_level=0).capped_note(64, roomy, 0) is None
+    assert PolicyConfig().capped_note(64, roomy, PolicyConfig().fit_max_level(64, roomy)) is None
+    tight = [HostShare("a", 40 * GIB, 40 * GIB, GIB), HostShare("b", 20 * GIB, 20 * GIB, GIB)]
+    level = PolicyConfig().fit_max_level(64, tight)
+    note = PolicyConfig().capped_note(64, tight, level)
+    assert level == 9 and note is not None
+    assert note.startswith("max level 9, not 32: 18.0 GiB of host memory may be pinned for rank 1")
+    assert '"max_level": K' in note
+
+
 def test_a_cpu_kv_tier_is_counted_against_the_pinnable_memory() -> None:
     from vllm.config import KVTransferConfig
 

@@ -771,6 +771,31 @@ def _timed_rows(forward_steps: dict[str, Any]) -> list[tuple[int, Any, int, floa
     return rows
 
 
+def timed_steps_of(path: str) -> dict[str, Any] | None:
+    """The timed steps of a plugin serving run (``bench.serve_bench``'s ``forward_steps``)
+    or of a plugin trace (JSON lines, gzip or not: a microbenchmark's), or None."""
+    import gzip
+
+    from bench.common import read_results
+    from bench.serve_bench import forward_steps
+
+    if path.endswith((".jsonl", ".jsonl.gz")):
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            return forward_steps([json.loads(line) for line in f if line.strip()])
+    steps = (read_results(path).get("plugin") or {}).get("forward_steps")
+    return steps if isinstance(steps, dict) else None
+
+
+def _as_columns(forward_steps: dict[str, Any], columns: list[str]) -> list[list[Any]]:
+    """A run's rows in ``columns`` (a run recorded before a column existed: 0 there)."""
+    col = {name: i for i, name in enumerate(forward_steps["columns"])}
+    return [
+        [row[col[c]] if c in col and col[c] < len(row) else 0 for c in columns]
+        for row in forward_steps["rows"]
+    ]
+
+
 def check_steps(model: StepModel, forward_steps: dict[str, Any]) -> dict[str, Any]:
     """The step model against the steps a serving run timed (``bench.serve_bench``'s
     ``forward_steps``): per class of step, how many, and the median, 10th and 90th
@@ -989,13 +1014,11 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     if args.check_steps:
-        from bench.common import read_results
-
         checks = {}
         for path in args.check_steps:
-            steps = (read_results(path).get("plugin") or {}).get("forward_steps")
+            steps = timed_steps_of(path)
             if not steps:
-                parser.error(f"{path}: no forward_steps (a plugin run of bench.serve_bench)")
+                parser.error(f"{path}: no timed steps (a plugin run of serve_bench, or a trace)")
             if args.fit_prefill:
                 fitted = fit_prefill(model, steps)
                 checks[path] = {
@@ -1006,11 +1029,26 @@ def main() -> None:
                     },
                     "check_fitted": check_steps(fitted, steps),
                 }
-                print(f"{path} fitted: {checks[path]['fitted']}")
             else:
                 checks[path] = check_steps(model, steps)
             for name, row in checks[path].items():
                 print(f"{path} {name}: {row}")
+        if args.fit_prefill and len(args.check_steps) > 1:  # one fit over every run's steps
+            runs = [timed_steps_of(path) or {} for path in args.check_steps]
+            columns = max((r["columns"] for r in runs), key=len)
+            rows = [row for r in runs for row in _as_columns(r, columns)]
+            fitted = fit_prefill(model, {"columns": columns, "rows": rows})
+            checks["combined"] = {
+                "fitted": {
+                    "ms_per_prefill_token": round(fitted.ms_per_prefill_token, 5),
+                    "ms_per_prefill_pair": fitted.ms_per_prefill_pair,
+                },
+                **{
+                    path: check_steps(fitted, run)
+                    for path, run in zip(args.check_steps, runs, strict=True)
+                },
+            }
+            print(f"combined fitted: {checks['combined']['fitted']}")
         write_results(args.out, {"check_steps": checks, "model": dataclasses.asdict(model)})
         return
     if args.system is None:

@@ -303,11 +303,21 @@ def test_the_prefill_prices_are_fitted_to_a_runs_level_0_steps(tmp_path: Path) -
     run_file = tmp_path / "plugin_run.json"
     run_file.write_text(json.dumps({"plugin": {"forward_steps": steps}}))
     out = tmp_path / "fit.json"
+    # A plugin trace (a microbenchmark's) reads as well: its timed steps' forward records.
+    trace_file = tmp_path / "trace.jsonl"
+    names = ["level", "forward_ms", "decode_tokens", "prefill_tokens", "context_tokens"]
+    records = [{"kind": "forward", **dict(zip(names, row[1:6], strict=True))} for row in rows]
+    for record, row in zip(records, rows, strict=True):
+        record["prefill_pairs"] = row[6]
+    trace_file.write_text("".join(json.dumps(r) + "\n" for r in records))
     cmd = [sys.executable, "-m", "bench.simulator", "--check-steps", str(run_file)]
-    cmd += ["--fit-prefill", "--out", str(out)]
+    cmd += [str(trace_file), "--fit-prefill", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
-    written = json.loads(out.read_text())["check_steps"][str(run_file)]
-    assert written["fitted"]["ms_per_prefill_token"] == pytest.approx(0.08, rel=1e-4)
+    written = json.loads(out.read_text())["check_steps"]
+    assert written[str(run_file)]["fitted"]["ms_per_prefill_token"] == pytest.approx(0.08, rel=1e-4)
+    from_trace = written[str(trace_file)]["fitted"]  # its forward_ms rounded to 3 places
+    assert from_trace["ms_per_prefill_pair"] == pytest.approx(6e-6, rel=1e-4)
+    assert written["combined"]["fitted"]["ms_per_prefill_pair"] == pytest.approx(6e-6, rel=1e-4)
 
 
 def test_a_servers_start_up_calibration_replaces_the_scaled_decode_steps(tmp_path: Path) -> None:

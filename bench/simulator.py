@@ -52,7 +52,7 @@ class StepModel:
     link_GBps: float = 55.3
     intercept_ms: float = 18.6
     ms_per_decode_token: float = 0.057
-    ms_per_prefill_token: float = 0.1046
+    ms_per_prefill_token: float = 0.0991  # with ms_per_prefill_pair: below
     piecewise_penalty_ms: float = 0.81
     stall_up_ms: float = 5.1
     stall_down_ms: float = 6.0
@@ -61,10 +61,13 @@ class StepModel:
     # heads x 128 x 2 B = 256 KiB for Qwen3-32B) at the H200's HBM bandwidth (~4.0 TB/s).
     ms_per_context_token: float = 262_144 / 4.0e12 * 1e3
     # A prefill chunk's attention over the prompt before it and itself, per (query, key) pair
-    # (:func:`~dynoff.policy.latency.prefill_pairs`): unpriced (0) until fitted to a serving
-    # run's timed steps (``--check-steps RUN --fit-prefill``); ``ms_per_prefill_token`` was
-    # measured on 2,048-token prompts, whose own attention it includes.
-    ms_per_prefill_pair: float = 0.0
+    # (:func:`~dynoff.policy.latency.prefill_pairs`). Fitted on an H100 SXM's Qwen3-32B
+    # prefill at 24k and 40k-token prompts, 3.8e-6 ms (``results/prefill_h100/``), times the
+    # H200's prefill over the H100's (the H200's microbenchmark, 1,714 ms for 8 prompts of
+    # 2,048 tokens, against 1,510 ms the H100's fit gives them: 1.135x); the per-token price
+    # is then what is left of that microbenchmark's 1,714 ms beside its 16.8 M pairs and the
+    # step's fixed part: (1,714 - 72 - 18.6) / 16,384 = 0.0991 ms.
+    ms_per_prefill_pair: float = 4.3e-6
 
     def calibration(self) -> Any:
         """What the workers' start-up calibration would measure on this machine."""
@@ -980,16 +983,17 @@ def main() -> None:
         "--ms-per-prefill-token",
         type=float,
         default=None,
-        help="the step model's price of a prefill token (default: the H200 microbenchmark's "
-        "prefill of 2,048-token prompts, 0.1046; a decode token costs 0.057): how much the "
-        "validation rests on it",
+        help="the step model's price of a prefill token (default 0.0991: the H200 "
+        "microbenchmark's prefill of 2,048-token prompts less their attended pairs; a decode "
+        "token costs 0.057): how much the validation rests on it",
     )
     parser.add_argument(
         "--ms-per-prefill-pair",
         type=float,
         default=None,
         help="the step model's price of a (query, key) pair a prefill chunk attends "
-        "(default 0: unpriced; --check-steps RUN --fit-prefill fits it)",
+        "(default 4.3e-6: fitted on an H100, scaled to the H200; --check-steps RUN "
+        "--fit-prefill fits it to a run)",
     )
     parser.add_argument(
         "--fit-prefill",

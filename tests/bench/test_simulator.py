@@ -360,12 +360,14 @@ def test_a_servers_start_up_calibration_replaces_the_scaled_decode_steps(tmp_pat
 def test_the_prefill_tokens_price_can_be_set_and_moves_a_prefill_heavy_replay(
     tmp_path: Path,
 ) -> None:
-    """The step model prices a prefill token by the H200 microbenchmark's prefill (0.1046 ms),
-    about twice a decode token's (0.057). ``--ms-per-prefill-token`` says how much a
-    validation rests on that price: priced as a decode token, long prompts finish sooner."""
+    """The step model prices a prefill token by the H200 microbenchmark's prefill less its
+    attended pairs (0.0991 ms), about twice a decode token's (0.057).
+    ``--ms-per-prefill-token`` says how much a validation rests on that price: priced as a
+    decode token, long prompts finish sooner."""
     from bench.simulator import step_model_for
 
     args = argparse.Namespace(machine=None, calibration=None, ms_per_prefill_token=None)
+    args.ms_per_prefill_pair = None
     assert step_model_for(args, 55.3) == StepModel()
     args.ms_per_prefill_token = 0.057
     cheap = step_model_for(args, 55.3)

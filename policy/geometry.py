@@ -329,9 +329,18 @@ def check_worker_plans(mine: PlanReport, reports: Sequence[PlanReport]) -> None:
                 f"plan promises {report.layer_pages}"
             )
     if problems:
+        levels = {r.max_level for r in reports} - {mine.max_level}
+        hint = (
+            f". The workers fitted max level {min(levels)} to their host memory and the "
+            "scheduler could not read it (their rank 0 on another host): set "
+            f'"policy": {{"max_level": {min(levels)}}}'
+            if levels and min(levels) < mine.max_level
+            else ""
+        )
         raise PlanMismatchError(
             "dynamic offload: the workers' KV capacity plan differs from the scheduler's: "
             + "; ".join(problems)
+            + hint
             + ". Start vllm serve with the plugin's --worker-cls and --scheduler-cls from the "
             'same installation; if they are, set "layer_bytes" in the dynamic_offload config '
             "to the bytes the worker log reports for a decoder layer, and report the mismatch"

@@ -192,6 +192,11 @@ def test_the_scheduler_serves_the_max_level_the_workers_could_pin(
 
     unpublished = build(tmp_path, schedule=[])  # no note on the board: the configuration's
     assert unpublished.offload.plan.max_level == 2
+    # Workers that fitted a lower level than the scheduler knows (their note unread): the
+    # first report stops the server, and the message gives the setting that agrees.
+    fitted = worker_plan(unpublished, 0, max_level=1)
+    with pytest.raises(PlanMismatchError, match=r'set "policy": \{"max_level": 1\}'):
+        unpublished.offload.on_report(StepReport(0, 0, 0.0, plans=(fitted,)))
     unpublished.shutdown()
     with pytest.raises(PlanMismatchError, match=r"packed for max level 3 but .* at most 2"):
         build(tmp_path, schedule=[], published=3)

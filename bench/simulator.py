@@ -790,15 +790,6 @@ def timed_steps_of(path: str) -> dict[str, Any] | None:
     return steps if isinstance(steps, dict) else None
 
 
-def _as_columns(forward_steps: dict[str, Any], columns: list[str]) -> list[list[Any]]:
-    """A run's rows in ``columns`` (a run recorded before a column existed: 0 there)."""
-    col = {name: i for i, name in enumerate(forward_steps["columns"])}
-    return [
-        [row[col[c]] if c in col and col[c] < len(row) else 0 for c in columns]
-        for row in forward_steps["rows"]
-    ]
-
-
 def check_steps(model: StepModel, forward_steps: dict[str, Any]) -> dict[str, Any]:
     """The step model against the steps a serving run timed (``bench.serve_bench``'s
     ``forward_steps``): per class of step, how many, and the median, 10th and 90th
@@ -819,14 +810,16 @@ def check_steps(model: StepModel, forward_steps: dict[str, Any]) -> dict[str, An
     return {name: _spread(values) for name, values in errors.items() if values}
 
 
-def fit_prefill(model: StepModel, forward_steps: dict[str, Any]) -> StepModel:
-    """``model`` with its prefill prices fitted to a run's level-0 mixed steps: what each
-    step took beyond the model's decode and context parts, as ``ms_per_prefill_token`` per
-    prefill token plus ``ms_per_prefill_pair`` per attended pair, least squares in relative
-    error (as :class:`~dynoff.policy.latency.StepTimeFit`), neither price negative."""
+def fit_prefill(model: StepModel, *runs: dict[str, Any]) -> StepModel:
+    """``model`` with its prefill prices fitted to the level-0 mixed steps of one run or
+    several (their ``forward_steps``): what each step took beyond the model's decode and
+    context parts, as ``ms_per_prefill_token`` per prefill token plus ``ms_per_prefill_pair``
+    per attended pair, least squares in relative error (as
+    :class:`~dynoff.policy.latency.StepTimeFit`), neither price negative."""
     cost = model.cost_model()
     sums = [0.0] * 5  # tt, tp, pp, ty, py
-    for level, shape, pairs, measured in _timed_rows(forward_steps):
+    timed = (row for run in runs for row in _timed_rows(run))
+    for level, shape, pairs, measured in timed:
         if level or shape.decode_only:
             continue
         rest = measured - cost.step_ms(0, shape._replace(num_prefill_tokens=0))
@@ -1018,39 +1011,36 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     if args.check_steps:
-        checks = {}
+
+        def prices(fitted: StepModel) -> dict[str, float]:
+            return {
+                "ms_per_prefill_token": round(fitted.ms_per_prefill_token, 5),
+                "ms_per_prefill_pair": fitted.ms_per_prefill_pair,
+            }
+
+        checks: dict[str, Any] = {}
+        runs = {}
         for path in args.check_steps:
             steps = timed_steps_of(path)
             if not steps:
                 parser.error(f"{path}: no timed steps (a plugin run of serve_bench, or a trace)")
+            runs[path] = steps
             if args.fit_prefill:
                 fitted = fit_prefill(model, steps)
                 checks[path] = {
                     "check": check_steps(model, steps),
-                    "fitted": {
-                        "ms_per_prefill_token": round(fitted.ms_per_prefill_token, 5),
-                        "ms_per_prefill_pair": fitted.ms_per_prefill_pair,
-                    },
+                    "fitted": prices(fitted),
                     "check_fitted": check_steps(fitted, steps),
                 }
             else:
                 checks[path] = check_steps(model, steps)
             for name, row in checks[path].items():
                 print(f"{path} {name}: {row}")
-        if args.fit_prefill and len(args.check_steps) > 1:  # one fit over every run's steps
-            runs = [timed_steps_of(path) or {} for path in args.check_steps]
-            columns = max((r["columns"] for r in runs), key=len)
-            rows = [row for r in runs for row in _as_columns(r, columns)]
-            fitted = fit_prefill(model, {"columns": columns, "rows": rows})
+        if args.fit_prefill and len(runs) > 1:  # one fit over every run's steps
+            fitted = fit_prefill(model, *runs.values())
             checks["combined"] = {
-                "fitted": {
-                    "ms_per_prefill_token": round(fitted.ms_per_prefill_token, 5),
-                    "ms_per_prefill_pair": fitted.ms_per_prefill_pair,
-                },
-                **{
-                    path: check_steps(fitted, run)
-                    for path, run in zip(args.check_steps, runs, strict=True)
-                },
+                "fitted": prices(fitted),
+                **{path: check_steps(fitted, steps) for path, steps in runs.items()},
             }
             print(f"combined fitted: {checks['combined']['fitted']}")
         write_results(args.out, {"check_steps": checks, "model": dataclasses.asdict(model)})

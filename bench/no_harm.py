@@ -51,6 +51,16 @@ def rate_of(point: dict[str, Any]) -> float | str | None:
     return float(trace_arg(point, "--rate") or "nan") if "--rate" in words else None
 
 
+def point_order(row: dict[str, Any]) -> tuple[str, str, float, str]:
+    """Regime, workload, then the offered rate as a number (a bursty point's lull rate)."""
+    rate = row.get("rate")
+    try:
+        number = float(str(rate).split("/")[0])
+    except ValueError:
+        number = float("inf")
+    return (str(row.get("regime")), str(row.get("workload")), number, str(rate))
+
+
 def compare(stock: dict[str, Any], plugin: dict[str, Any]) -> dict[str, Any]:
     """One point's ratios (plugin / stock) and the bounds they miss."""
     row: dict[str, Any] = dict(plugin["point"])
@@ -85,6 +95,7 @@ def report(paths: list[str]) -> dict[str, Any]:
             points.append(compare(systems["stock"], systems["plugin"]))
         else:
             unpaired.append(json.loads(key))
+    points.sort(key=point_order)
     failed: dict[str, int] = {}
     disconnected: dict[str, int] = {}  # of those, closed before any response (serve_bench)
     for run in runs:
@@ -100,14 +111,20 @@ def report(paths: list[str]) -> dict[str, Any]:
         "failed_disconnected": disconnected,
         "levels_visited": visited,
         "runs": [
-            {"file": r["file"], "system": r["system"], "point": r["point"], "command": r["command"]}
+            {
+                "file": r["file"],
+                "system": r["system"],
+                "point": r["point"],
+                "command": r["command"],
+                "gpu": r.get("machine", {}).get("gpu"),
+            }
             for r in runs
         ],
     }
 
 
-def plot(result: dict[str, Any], out_dir: Path) -> Path:
-    """One bar group per point: each ratio against its bound."""
+def plot(result: dict[str, Any], out_dir: Path, stem: str = "no_harm") -> Path:
+    """One bar group per point: each ratio against its bound (``out_dir/stem.png``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,10 +153,12 @@ def plot(result: dict[str, Any], out_dir: Path) -> Path:
     high = max(1.15, max(values) + 0.02)
     ax.set_ylim(low, high)
     ax.set_ylabel("plugin / stock")
-    ax.set_title("No harm under vllm serve (black: the bound each ratio must keep)", fontsize=10)
+    gpus = sorted({str(run.get("gpu")) for run in result.get("runs", []) if run.get("gpu")})
+    title = "No harm under vllm serve (black: the bound each ratio must keep)"
+    ax.set_title(title + (f"\n{', '.join(gpus)}" if gpus else ""), fontsize=10)
     ax.legend(fontsize=7, ncol=5, loc="upper center")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "no_harm.png"
+    path = out_dir / f"{stem}.png"
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
@@ -155,7 +174,7 @@ def main() -> None:
     result = report(args.runs)
     write_results(args.out, result)
     if args.plots and result["points"]:
-        plot(result, Path(args.plots))
+        plot(result, Path(args.plots), Path(args.out).name.split(".")[0])
     for point in result["points"]:
         print(json.dumps(point))
     print(json.dumps({"failed_requests": result["failed_requests"]}))

@@ -52,7 +52,7 @@ class StepModel:
     link_GBps: float = 55.3
     intercept_ms: float = 18.6
     ms_per_decode_token: float = 0.057
-    ms_per_prefill_token: float = 0.0991  # with ms_per_prefill_pair: below
+    ms_per_prefill_token: float = 0.1008  # with the pair price and the share: below
     piecewise_penalty_ms: float = 0.81
     stall_up_ms: float = 5.1
     stall_down_ms: float = 6.0
@@ -61,13 +61,44 @@ class StepModel:
     # heads x 128 x 2 B = 256 KiB for Qwen3-32B) at the H200's HBM bandwidth (~4.0 TB/s).
     ms_per_context_token: float = 262_144 / 4.0e12 * 1e3
     # A prefill chunk's attention over the prompt before it and itself, per (query, key) pair
-    # (:func:`~dynoff.policy.latency.prefill_pairs`). Fitted on an H100 SXM's Qwen3-32B
-    # prefill at 24k and 40k-token prompts, 3.8e-6 ms (``results/prefill_h100/``), times the
-    # H200's prefill over the H100's (the H200's microbenchmark, 1,714 ms for 8 prompts of
-    # 2,048 tokens, against 1,510 ms the H100's fit gives them: 1.135x); the per-token price
-    # is then what is left of that microbenchmark's 1,714 ms beside its 16.8 M pairs and the
-    # step's fixed part: (1,714 - 72 - 18.6) / 16,384 = 0.0991 ms.
-    ms_per_prefill_pair: float = 4.3e-6
+    # (:func:`~dynoff.policy.latency.prefill_pairs`).
+    ms_per_prefill_pair: float = 3.49e-6
+    # A step is a roofline, not a sum: a ShareGPT chunk of a few dozen tokens beside a
+    # decode batch costs almost nothing, a chunk of thousands its tokens' FLOPs.
+    # ``fixed_share`` of the intercept is outside the roofline (launches, sampling); the rest
+    # is the weights' reads. A step with prefill takes the fixed part plus the larger of its
+    # memory-bound time (a prefill token priced as a decode token) and its compute-bound
+    # time (the prefill price for every token of the batch); decode-only steps are the
+    # calibrated line. 1.0 is the sum (the prefill priced on top of the decode step).
+    #
+    # The three prefill figures are fitted together (:func:`fit_prefill`) on an H100 SXM's
+    # Qwen3-32B (``results/prefill_h100/fit_roofline_h100.json``: 24k and 40k-token prompts
+    # and a serving run's ShareGPT and long prompts, 225 level-0 mixed steps, with that
+    # server's decode calibration): a share of 0.225, 0.0948 ms a token, 3.28e-6 ms a pair.
+    # The share is kept; the H200's prefill over the H100's (its microbenchmark, 1,714.5 ms
+    # for 8 prompts of 2,048 tokens, against 1,613.5 ms the H100's fit gives them: 1.063x)
+    # scales the pair; the token price is what is left of the 1,714.5 ms beside its
+    # 16.8 M pairs and the fixed part: (1,714.5 - 58.5 - 0.225 x 18.6) / 16,384 = 0.1008.
+    fixed_share: float = 0.225
+
+    def priced_shape(self, shape: Any) -> Any:
+        """``shape`` with the prefill tokens the roofline charges at the prefill price: the
+        step's time beyond its decode part, over that price (the cost model stays linear,
+        so a level's copies hide behind the layers' real length)."""
+        decode, prefill, context = shape
+        price = self.ms_per_prefill_token
+        if not prefill or price <= 0 or self.fixed_share >= 1.0:
+            return shape
+        memory = (1.0 - self.fixed_share) * self.intercept_ms + self.ms_per_decode_token * decode
+        beyond = max(
+            self.ms_per_decode_token * prefill,
+            price * (decode + prefill) - max(memory, price * decode),
+        )
+        return type(shape)(decode, beyond / price, context)
+
+    def step_ms(self, cost: Any, level: int, shape: Any, pairs: int = 0) -> float:
+        """A step's forward at ``level`` (``cost``: this model's :meth:`cost_model`)."""
+        return cost.step_ms(level, self.priced_shape(shape)) + self.ms_per_prefill_pair * pairs
 
     def calibration(self) -> Any:
         """What the workers' start-up calibration would measure on this machine."""
@@ -471,9 +502,8 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
         # share the copy kernel's).
         shape = StepShape.of(out)
         decode, prefill, context = shape
-        forward = cost.step_ms(level, shape) if decode + prefill else 0.0
-        if prefill and model.ms_per_prefill_pair:
-            forward += model.ms_per_prefill_pair * prefill_pairs(out)
+        pairs = prefill_pairs(out) if prefill and model.ms_per_prefill_pair else 0
+        forward = model.step_ms(cost, level, shape, pairs) if decode + prefill else 0.0
         connector_output = None
         if tier is not None:
             copy_ms = 2 * level * model.layer_bytes / (model.link_GBps * 1e9) * 1e3
@@ -801,7 +831,7 @@ def check_steps(model: StepModel, forward_steps: dict[str, Any]) -> dict[str, An
     cost = model.cost_model()
     errors: dict[str, list[float]] = {}
     for level, shape, pairs, measured in _timed_rows(forward_steps):
-        predicted = cost.step_ms(level, shape) + model.ms_per_prefill_pair * pairs
+        predicted = model.step_ms(cost, level, shape, pairs)
         error = predicted / measured - 1
         errors.setdefault(step_class(shape), []).append(error)
         if shape.num_prefill_tokens and pairs > LONG_PREFILL * shape.num_prefill_tokens:
@@ -810,42 +840,90 @@ def check_steps(model: StepModel, forward_steps: dict[str, Any]) -> dict[str, An
     return {name: _spread(values) for name, values in errors.items() if values}
 
 
+FIT_SHARES = tuple(k / 40 for k in range(40, -1, -1))  # --fit-prefill: 1.0 (the sum) first
+
+
 def fit_prefill(model: StepModel, *runs: dict[str, Any]) -> StepModel:
     """``model`` with its prefill prices fitted to the level-0 mixed steps of one run or
-    several (their ``forward_steps``): what each step took beyond the model's decode and
-    context parts, as ``ms_per_prefill_token`` per prefill token plus ``ms_per_prefill_pair``
-    per attended pair, least squares in relative error (as
-    :class:`~dynoff.policy.latency.StepTimeFit`), neither price negative."""
+    several (their ``forward_steps``): ``ms_per_prefill_token``, ``ms_per_prefill_pair`` and
+    the roofline's ``fixed_share``, least squares in relative error (as
+    :class:`~dynoff.policy.latency.StepTimeFit`), neither price negative. The share is
+    searched on a grid (:data:`FIT_SHARES`; on a tie the sum, 1.0, stays), the prices solved
+    for each share; a step's branch of the roofline depends on the token price, so each
+    solve alternates the two until the branches stand still."""
     cost = model.cost_model()
-    sums = [0.0] * 5  # tt, tp, pp, ty, py
-    timed = (row for run in runs for row in _timed_rows(run))
-    for level, shape, pairs, measured in timed:
-        if level or shape.decode_only:
-            continue
-        rest = measured - cost.step_ms(0, shape._replace(num_prefill_tokens=0))
-        w = 1.0 / measured**2
-        t = float(shape.num_prefill_tokens)
-        sums[0] += w * t * t
-        sums[1] += w * t * pairs
-        sums[2] += w * pairs * pairs
-        sums[3] += w * t * rest
-        sums[4] += w * pairs * rest
-    tt, tp, pp, ty, py = sums
-    if tt <= 0:
+    rows = []
+    for run in runs:
+        for level, shape, pairs, measured in _timed_rows(run):
+            if not level and not shape.decode_only:
+                base = cost.step_ms(0, shape._replace(num_prefill_tokens=0))
+                rows.append((shape, pairs, measured, base))
+    if not rows:
         raise ValueError("no level-0 step with a prefill to fit the prefill price to")
+    best: tuple[float, StepModel] | None = None
+    for share in FIT_SHARES:
+        fitted = _fit_prices(dataclasses.replace(model, fixed_share=share), rows)
+        fitted_cost = fitted.cost_model()
+        rss = sum(
+            (fitted.step_ms(fitted_cost, 0, shape, pairs) / measured - 1) ** 2
+            for shape, pairs, measured, _ in rows
+        )
+        if best is None or rss < best[0] - 1e-12:
+            best = (rss, fitted)
+    assert best is not None
+    return best[1]
+
+
+def _fit_prices(model: StepModel, rows: list[tuple[Any, int, float, float]]) -> StepModel:
+    """The two prices at ``model``'s share: each row's time beyond its decode part (``base``)
+    is, on the compute-bound branch, the token price times the tokens it charges plus the
+    pair price times its pairs; on the memory-bound branch its pairs alone."""
+    a = model.ms_per_decode_token
+    floor = (1.0 - model.fixed_share) * model.intercept_ms  # the weights' reads
+    price, seen = model.ms_per_prefill_token, None
+    for _ in range(50):
+        sums = [0.0] * 5  # tt, tp, pp, ty, py
+        branches = []
+        for (decode, prefill, _), pairs, measured, base in rows:
+            memory = floor + a * decode
+            if price * (decode + prefill) - max(memory, price * decode) <= a * prefill:
+                x, y, branch = 0.0, measured - base - a * prefill, 0  # memory-bound
+            elif memory >= price * decode:  # the batch's compute over the weights' reads
+                x, y, branch = float(decode + prefill), measured - base + memory, 1
+            else:  # the decode part alone was compute-bound already
+                x, y, branch = float(prefill), measured - base, 2
+            branches.append(branch)
+            w = 1.0 / measured**2
+            sums[0] += w * x * x
+            sums[1] += w * x * pairs
+            sums[2] += w * pairs * pairs
+            sums[3] += w * x * y
+            sums[4] += w * pairs * y
+        per_token, per_pair = _solve_prices(*sums)
+        if branches == seen or per_token <= 0:
+            break
+        price, seen = per_token, branches
+    return dataclasses.replace(model, ms_per_prefill_token=per_token, ms_per_prefill_pair=per_pair)
+
+
+def _solve_prices(tt: float, tp: float, pp: float, ty: float, py: float) -> tuple[float, float]:
+    """Weighted least squares of ``y ~ token price · x + pair price · pairs`` from its normal
+    equations' sums, neither price negative (one alone when the pair cannot be told apart)."""
     det = tt * pp - tp * tp
     per_token = per_pair = 0.0
-    if pp > 0 and det > 1e-12 * tt * pp:
+    if tt > 0 and pp > 0 and det > 1e-12 * tt * pp:
         per_token, per_pair = (ty * pp - py * tp) / det, (py * tt - ty * tp) / det
     if per_pair <= 0 or per_token <= 0:  # one price alone
-        alone = [(max(ty / tt, 0.0), 0.0)] + ([(0.0, max(py / pp, 0.0))] if pp > 0 else [])
+        alone = ([(max(ty / tt, 0.0), 0.0)] if tt > 0 else []) + (
+            [(0.0, max(py / pp, 0.0))] if pp > 0 else []
+        )
 
         def rss(prices: tuple[float, float]) -> float:
-            a, b = prices
-            return a * a * tt + 2 * a * b * tp + b * b * pp - 2 * (a * ty + b * py)
+            t, q = prices
+            return t * t * tt + 2 * t * q * tp + q * q * pp - 2 * (t * ty + q * py)
 
-        per_token, per_pair = min(alone, key=rss)
-    return dataclasses.replace(model, ms_per_prefill_token=per_token, ms_per_prefill_pair=per_pair)
+        per_token, per_pair = min(alone, key=rss, default=(0.0, 0.0))
+    return per_token, per_pair
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
@@ -881,6 +959,8 @@ def step_model_for(args: argparse.Namespace, link_GBps: float) -> StepModel:
         model = dataclasses.replace(model, ms_per_prefill_token=args.ms_per_prefill_token)
     if getattr(args, "ms_per_prefill_pair", None) is not None:
         model = dataclasses.replace(model, ms_per_prefill_pair=args.ms_per_prefill_pair)
+    if getattr(args, "fixed_share", None) is not None:
+        model = dataclasses.replace(model, fixed_share=args.fixed_share)
     return model
 
 
@@ -976,17 +1056,25 @@ def main() -> None:
         "--ms-per-prefill-token",
         type=float,
         default=None,
-        help="the step model's price of a prefill token (default 0.0991: the H200 "
-        "microbenchmark's prefill of 2,048-token prompts less their attended pairs; a decode "
-        "token costs 0.057): how much the validation rests on it",
+        help="the step model's price of a prefill token on the compute-bound side of its "
+        "roofline (default 0.1008: the H200 microbenchmark's prefill of 2,048-token prompts "
+        "less their attended pairs; a decode token costs 0.057): how much the validation "
+        "rests on it",
     )
     parser.add_argument(
         "--ms-per-prefill-pair",
         type=float,
         default=None,
         help="the step model's price of a (query, key) pair a prefill chunk attends "
-        "(default 4.3e-6: fitted on an H100, scaled to the H200; --check-steps RUN "
+        "(default 3.49e-6: fitted on an H100, scaled to the H200; --check-steps RUN "
         "--fit-prefill fits it to a run)",
+    )
+    parser.add_argument(
+        "--fixed-share",
+        type=float,
+        default=None,
+        help="the share of a step's fixed part outside its roofline (default 0.225, fitted on "
+        "an H100; 1.0: a prefill priced on top of the decode step)",
     )
     parser.add_argument(
         "--fit-prefill",
@@ -1016,6 +1104,7 @@ def main() -> None:
             return {
                 "ms_per_prefill_token": round(fitted.ms_per_prefill_token, 5),
                 "ms_per_prefill_pair": fitted.ms_per_prefill_pair,
+                "fixed_share": fitted.fixed_share,
             }
 
         checks: dict[str, Any] = {}

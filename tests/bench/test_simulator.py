@@ -60,7 +60,9 @@ def test_a_short_trace_replays_as_committed(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("link", [55.3, 390.0])
 def test_the_defaults_climb_only_where_the_link_makes_a_level_pay(tmp_path: Path, link) -> None:
-    requests = trace(tmp_path, "poisson", "--rate", "6", "--seconds", "20")
+    # 40 s: the climb waits for a queue (a level's piecewise penalty is paid on every step),
+    # so a short trace is mostly the wait.
+    requests = trace(tmp_path, "poisson", "--rate", "6", "--seconds", "40")
     stock = run("stock", requests, kv_blocks=700)  # KV-bound: requests queue for blocks
     plugin = run("plugin", requests, link=link, kv_blocks=700)
     assert plugin["completed"] == stock["completed"] == len(requests)
@@ -240,7 +242,7 @@ def test_the_step_model_is_held_against_a_serving_runs_timed_steps(tmp_path: Pat
         (1, 40, 8152, 20_000, 0.8),
         (0, 0, 0, 0, 1.0),  # an empty step: left out
     ]:
-        ms = cost.step_ms(level, StepShape(decode, prefill, context)) * scale
+        ms = model.step_ms(cost, level, StepShape(decode, prefill, context)) * scale
         rows.append([1.0, level, ms, decode, prefill, context])
     steps = {"columns": list(FORWARD_COLUMNS), "rows": rows}
     result = check_steps(model, steps)
@@ -260,14 +262,15 @@ def test_the_step_model_is_held_against_a_serving_runs_timed_steps(tmp_path: Pat
 
 def test_the_prefill_prices_are_fitted_to_a_runs_level_0_steps(tmp_path: Path) -> None:
     """Steps made with a known price per prefill token and per attended pair (a long prompt's
-    later chunks attend what came before): ``--fit-prefill`` recovers both, the fitted model
-    checks at 0 error where the per-token default is off on long contexts, and the pairs are
-    classed apart."""
+    later chunks attend what came before) on a known roofline (small chunks beside a decode
+    batch ride on its weights' reads): ``--fit-prefill`` recovers all three, the fitted model
+    checks at 0 error where the per-token default is off on long contexts and the sum is off
+    on small chunks, and the pairs are classed apart."""
     from bench.serve_bench import FORWARD_COLUMNS
     from bench.simulator import check_steps, fit_prefill
     from dynoff.policy.latency import StepShape
 
-    truth = StepModel(ms_per_prefill_token=0.08, ms_per_prefill_pair=6e-6)
+    truth = StepModel(ms_per_prefill_token=0.08, ms_per_prefill_pair=6e-6, fixed_share=0.3)
     cost = truth.cost_model()
     rows = []
     for decode, prefill, computed in [
@@ -277,22 +280,32 @@ def test_the_prefill_prices_are_fitted_to_a_runs_level_0_steps(tmp_path: Path) -
         (5, 512, 0),
         (64, 0, 0),  # decode only: not fitted
         (40, 1000, 12_000),
+        (40, 24, 0),  # small chunks: memory-bound, a decode token's price
+        (40, 200, 0),
+        (20, 300, 0),
     ]:
         shape = StepShape(decode, prefill, 1_000 * decode)
         pairs = prefill * computed + prefill * (prefill + 1) // 2
-        ms = cost.step_ms(0, shape) + truth.ms_per_prefill_pair * pairs
+        ms = truth.step_ms(cost, 0, shape, pairs)
         rows.append([0.0, 0, ms, decode, prefill, 1_000 * decode, pairs])
     rows.append([0.0, 1, 500.0, 10, 2048, 0, 10**9])  # level 1: left out of the fit
     steps = {"columns": list(FORWARD_COLUMNS), "rows": rows}
+    small = {"columns": list(FORWARD_COLUMNS), "rows": rows[6:9]}
 
     fitted = fit_prefill(StepModel(), steps)
     assert fitted.ms_per_prefill_token == pytest.approx(0.08, rel=1e-6)
     assert fitted.ms_per_prefill_pair == pytest.approx(6e-6, rel=1e-6)
+    assert fitted.fixed_share == pytest.approx(0.3)
     default = check_steps(StepModel(), steps)
     assert default["mixed, context >2048"]["steps"] == 4  # pairs / token above 2,048
-    assert default["all"]["steps"] == 7  # the long-context class is not counted twice
+    assert default["all"]["steps"] == 10  # the long-context class is not counted twice
     exact = check_steps(dataclasses.replace(fitted, link_GBps=55.3), steps)
     assert exact["mixed, context >2048"]["median"] == pytest.approx(0.0, abs=1e-4)
+    level_0 = check_steps(fitted, {"columns": list(FORWARD_COLUMNS), "rows": rows[:9]})
+    assert level_0["mixed"]["p10"] == pytest.approx(0.0, abs=1e-4)
+    assert level_0["mixed"]["p90"] == pytest.approx(0.0, abs=1e-4)
+    summed = check_steps(dataclasses.replace(fitted, fixed_share=1.0), small)
+    assert summed["mixed"]["median"] > 0.1  # the sum prices every small chunk on top
 
     # Pairs alone cannot be told from tokens when every chunk is a 2,048-token prompt's
     # first: the per-token price alone is kept, not a negative pair price.
@@ -361,13 +374,13 @@ def test_the_prefill_tokens_price_can_be_set_and_moves_a_prefill_heavy_replay(
     tmp_path: Path,
 ) -> None:
     """The step model prices a prefill token by the H200 microbenchmark's prefill less its
-    attended pairs (0.0991 ms), about twice a decode token's (0.057).
+    attended pairs (0.1008 ms), about twice a decode token's (0.057).
     ``--ms-per-prefill-token`` says how much a validation rests on that price: priced as a
     decode token, long prompts finish sooner."""
     from bench.simulator import step_model_for
 
     args = argparse.Namespace(machine=None, calibration=None, ms_per_prefill_token=None)
-    args.ms_per_prefill_pair = None
+    args.ms_per_prefill_pair = args.fixed_share = None
     assert step_model_for(args, 55.3) == StepModel()
     args.ms_per_prefill_token = 0.057
     cheap = step_model_for(args, 55.3)

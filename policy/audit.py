@@ -4,10 +4,11 @@ The model prices a level before the climb; the audit measures the result. It kee
 scheduler step, the wall time and the tokens served (a prompt once, when its prefill
 completes, and each token of output: :func:`dynoff.policy.scheduler.served_tokens`; not
 the tokens computed, which count a recomputed prefix again), and whether the step was
-under pressure. When a climb completes with the ``window`` steps before it under pressure, the
-audit waits ``settle`` steps (the change itself, the admissions it allows), then reads
-``window`` steps after it. Only two saturated windows compare: when the load falls away
-after the climb, throughput measures the load, not the level, and there is no verdict.
+under pressure. When a climb completes after a saturated run of steps (the longest among the
+last ``window``, at least ``baseline`` long), the audit waits ``settle`` steps (the change
+itself, the admissions it allows), then reads ``window`` steps after it. Only two saturated
+windows compare: when the load falls away after the climb, throughput measures the load,
+not the level, and there is no verdict.
 
 Verdict ``loss`` when the rate after falls below the rate before by more than twice the
 standard error of the difference (batch means over sub-windows of both windows), and by at
@@ -77,12 +78,18 @@ class ChangeAudit:
     """Measures each climb against the window before it (see the module docstring)."""
 
     def __init__(
-        self, window: int, settle: int, tolerance: float, saturated_share: float = 0.9
+        self,
+        window: int,
+        settle: int,
+        tolerance: float,
+        saturated_share: float = 0.9,
+        baseline: int | None = None,
     ) -> None:
         self.window = window
         self.settle = settle
         self.tolerance = tolerance
         self.saturated_share = saturated_share
+        self.baseline = window if baseline is None else min(baseline, window)
         self._recent: deque[tuple[float, int, bool]] = deque(maxlen=window)
         self._last_time: float | None = None
         self._open: tuple[int, int, Window] | None = None  # (from, to, before)
@@ -110,34 +117,42 @@ class ChangeAudit:
     def open(self) -> bool:
         return self._open is not None
 
+    def _saturated(self) -> list[tuple[float, int, bool]]:
+        """The longest run of the latest steps whose pressured share is saturated, from its
+        first pressured step (the calm steps before a queue are not its baseline), if at
+        least ``baseline`` long; else empty. The window a climb now is judged against."""
+        recent, longest, pressured = list(self._recent), 0, 0
+        for n, (_, _, p) in enumerate(reversed(recent), 1):
+            pressured += p
+            if pressured >= self.saturated_share * n:
+                longest = n
+        run = recent[len(recent) - longest :]
+        while run and not run[0][2]:
+            run.pop(0)
+        return run if len(run) >= self.baseline else []
+
     @property
     def ready(self) -> bool:
-        """Whether a climb now could be judged: ``window`` steps seen, saturated. A climb
-        without that baseline would never get a verdict, and a loss would stay unseen."""
-        if len(self._recent) < self.window:
-            return False
-        before = measure(list(self._recent))
-        return (
-            before is not None
-            and before.pressured_share >= self.saturated_share
-            and before.tokens_per_s > 0
-        )
+        """Whether a climb now could be judged: a saturated run of at least ``baseline``
+        steps. A climb without that baseline would never get a verdict, and a loss would
+        stay unseen."""
+        before = measure(self._saturated())
+        return before is not None and before.tokens_per_s > 0
 
     def begin(self) -> None:
-        """A climb starts: the window before it is the steps up to now (a climb of several
-        levels runs one change per level; the steps between them are not "before")."""
+        """A climb starts: the window before it is the saturated run up to now (a climb of
+        several levels runs one change per level; the steps between them are not
+        "before")."""
         self._open = None
-        self._before = list(self._recent)
+        self._before = self._saturated()
 
     def climbed(self, from_level: int, to_level: int) -> bool:
         """A climb completed: open an audit if the window before it was saturated."""
         self._open = None
-        recent = self._before if self._before is not None else list(self._recent)
+        recent = self._before if self._before is not None else self._saturated()
         self._before = None
         before = measure(recent)
-        if before is None or len(recent) < self.window:
-            return False
-        if before.pressured_share < self.saturated_share or before.tokens_per_s <= 0:
+        if before is None or before.tokens_per_s <= 0:
             return False
         self._open = (from_level, to_level, before)
         self._after, self._skip = [], self.settle

@@ -81,6 +81,11 @@ class PolicyConfig:
             fit's mean over the mix), at least ``min_climb_margin``.
         min_climb_margin: the floor of the measured margin (0.01: a +0.3% edge never climbs).
         audit_window_steps: ``priced``: steps compared before and after each climb.
+        audit_baseline_steps: ``priced``: the fewest saturated steps the window before a
+            climb may hold. The window before is the longest saturated run among the last
+            ``audit_window_steps``; a shorter one widens the verdict's noise bound by
+            itself (batch means), and the first climb into a queue waits this many steps,
+            not the whole window (200 steps are 6-8 s of queue on a 30-40 ms step).
         audit_settle_steps: steps skipped after a climb before its window opens.
         audit_tolerance: the smallest relative drop in tokens per second called a loss.
         loss_backoff_steps: after a level measured as a loss, steps before it may be tried
@@ -111,6 +116,7 @@ class PolicyConfig:
     climb_margin: float | None = None
     min_climb_margin: float = 0.01
     audit_window_steps: int = 200
+    audit_baseline_steps: int = 50
     audit_settle_steps: int = 10
     audit_tolerance: float = 0.02
     loss_backoff_steps: int = 1000
@@ -144,6 +150,12 @@ class PolicyConfig:
             raise ValueError(
                 f"audit_window_steps={self.audit_window_steps} must be >= 10 (the audit "
                 "compares 5 sub-windows of at least 2 steps each)"
+            )
+        if not 10 <= self.audit_baseline_steps <= self.audit_window_steps:
+            raise ValueError(
+                f"audit_baseline_steps={self.audit_baseline_steps} must be between 10 and "
+                f"audit_window_steps ({self.audit_window_steps}): the window before a climb "
+                "is at most the audit's window, and needs 5 sub-windows of 2 steps"
             )
         if self.drain_lag_steps < 0:
             raise ValueError(f"drain_lag_steps={self.drain_lag_steps} must be >= 0")

@@ -147,7 +147,10 @@ class OffloadController:
         policy = config.policy
         self.audit = (
             ChangeAudit(
-                policy.audit_window_steps, policy.audit_settle_steps, policy.audit_tolerance
+                policy.audit_window_steps,
+                policy.audit_settle_steps,
+                policy.audit_tolerance,
+                baseline=policy.audit_baseline_steps,
             )
             if policy.rule == "priced"
             else None

@@ -69,6 +69,30 @@ def test_no_audit_without_a_saturated_window_before() -> None:
     assert not audit.climbed(0, 1) and not audit.open
 
 
+def test_a_climb_is_judged_against_the_saturated_run_before_it_from_its_baseline_on() -> None:
+    """The first climb into a queue waits for ``baseline`` saturated steps, not the whole
+    window: the window before is the longest saturated run among the last ``window`` steps
+    (calm steps before it are not the level's baseline), and a loss is still found from it."""
+    baseline = 60  # sub-windows of 12 steps: 2 heavy steps each
+
+    def queue_after_a_lull(steps: int) -> tuple[ChangeAudit, list[float]]:
+        audit, clock = ChangeAudit(WINDOW, SETTLE, tolerance=0.02, baseline=baseline), [0.0]
+        feed(audit, clock, WINDOW, 40.0, 50, pressured=False)  # a fifth of the load
+        feed(audit, clock, steps, 40.0, 200)
+        return audit, clock
+
+    assert not queue_after_a_lull(baseline - 1)[0].ready  # one step short of the baseline
+    audit, clock = queue_after_a_lull(baseline)
+    assert audit.ready
+    audit.begin()
+    assert audit.climbed(0, 1)
+    [verdict] = feed(audit, clock, SETTLE + WINDOW, 46.0, 208, seed=1)
+    assert verdict.before.steps == baseline and verdict.before.pressured_share == 1.0
+    assert verdict.loss and 0.87 < verdict.ratio < 0.93  # the lull's rate is not "before"
+    # The whole window is the baseline by default (the audit's own tests above).
+    assert ChangeAudit(WINDOW, SETTLE, tolerance=0.02).baseline == WINDOW
+
+
 def test_the_back_off_doubles_per_loss_and_resets_when_a_level_pays() -> None:
     backoff = Backoff(1000)
     assert backoff.lost(2, step=10) == 1010

@@ -33,6 +33,8 @@ GIB = 1 << 30
         ({"descend_margin": -0.1}, "descend_margin=-0.1 must be >= 0"),
         ({"estimator": "magic"}, "use 'measured' or 'model'"),
         ({"proxy": "tokens"}, "use 'decode' or 'model'"),
+        ({"audit_baseline_steps": 300}, r"audit_baseline_steps=300 must be between 10 and"),
+        ({"audit_baseline_steps": 5}, r"audit_window_steps \(200\)"),
     ],
 )
 def test_bad_values_are_refused(kwargs: dict[str, object], message: str) -> None:

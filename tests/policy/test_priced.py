@@ -225,15 +225,15 @@ def test_the_defaults_climb_on_a_fast_link_where_the_price_pays() -> None:
     # pays, also against the model's calibrated error on small batches (the piecewise path
     # costs 2.8 ms at batch 8 and the model prices its median, 1.37 ms), and against the
     # stalls of four changes there and back amortised over one cooldown: it climbs as soon
-    # as the audit has a saturated window to judge the climb against (not on the burst's
-    # first steps, a price read off a handful of steps), to the top, and the audit finds it
-    # paid.
+    # as the audit has a saturated run to judge the climb against (its baseline, not the
+    # burst's first steps, a price read off a handful of steps, nor its whole window, a
+    # queue of several seconds), to the top, and the audit finds it paid.
     ctl, clock = burst_controller(FAST, base_blocks=1024)
     levels = run_burst(ctl, clock, 24, 1500)
     assert levels[-1] == max(levels) == ctl.plan.max_level
     policy = ctl.config.policy
-    assert policy.audit_window_steps <= levels.index(1)
-    assert levels.index(1) < policy.audit_window_steps + policy.cooldown_steps
+    assert policy.audit_baseline_steps <= levels.index(1) < policy.audit_window_steps
+    assert levels.index(1) < policy.audit_baseline_steps + policy.cooldown_steps
     assert not ctl.policy.backoff.until
     # The same engine on PCIe: each level's two 18.6 ms copies are exposed on that batch.
     ctl, clock = burst_controller(PCIE, base_blocks=1024)

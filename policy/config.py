@@ -23,6 +23,7 @@ RULE_DEFAULTS: dict[str, tuple[Estimator, Proxy]] = {
 
 
 KV_LAYOUTS = ("auto", "packed", "per_layer")
+DEFAULT_AUDIT_BASELINE_STEPS = 50  # PolicyConfig.audit_baseline_steps unset
 # KV connectors the plugin coordinates with: vLLM's CPU KV offloading (--kv-offloading-size)
 SUPPORTED_KV_CONNECTORS = ("OffloadingConnector",)
 
@@ -82,10 +83,11 @@ class PolicyConfig:
         min_climb_margin: the floor of the measured margin (0.01: a +0.3% edge never climbs).
         audit_window_steps: ``priced``: steps compared before and after each climb.
         audit_baseline_steps: ``priced``: the fewest saturated steps the window before a
-            climb may hold. The window before is the longest saturated run among the last
-            ``audit_window_steps``; a shorter one widens the verdict's noise bound by
-            itself (batch means), and the first climb into a queue waits this many steps,
-            not the whole window (200 steps are 6-8 s of queue on a 30-40 ms step).
+            climb may hold (unset: 50, or the whole window if that is shorter). The window
+            before is the longest saturated run among the last ``audit_window_steps``; a
+            shorter one widens the verdict's noise bound by itself (batch means), and the
+            first climb into a queue waits this many steps, not the whole window (200 steps
+            are 6-8 s of queue on a 30-40 ms step).
         audit_settle_steps: steps skipped after a climb before its window opens.
         audit_tolerance: the smallest relative drop in tokens per second called a loss.
         loss_backoff_steps: after a level measured as a loss, steps before it may be tried
@@ -116,11 +118,18 @@ class PolicyConfig:
     climb_margin: float | None = None
     min_climb_margin: float = 0.01
     audit_window_steps: int = 200
-    audit_baseline_steps: int = 50
+    audit_baseline_steps: int | None = None
     audit_settle_steps: int = 10
     audit_tolerance: float = 0.02
     loss_backoff_steps: int = 1000
     max_calm_steps: int = 2000
+
+    @property
+    def audit_baseline(self) -> int:
+        """The audit's baseline in steps (:attr:`audit_baseline_steps`, or its default)."""
+        if self.audit_baseline_steps is not None:
+            return self.audit_baseline_steps
+        return min(DEFAULT_AUDIT_BASELINE_STEPS, self.audit_window_steps)
 
     def __post_init__(self) -> None:
         if self.rule not in RULE_DEFAULTS:
@@ -151,7 +160,8 @@ class PolicyConfig:
                 f"audit_window_steps={self.audit_window_steps} must be >= 10 (the audit "
                 "compares 5 sub-windows of at least 2 steps each)"
             )
-        if not 10 <= self.audit_baseline_steps <= self.audit_window_steps:
+        baseline = self.audit_baseline_steps
+        if baseline is not None and not 10 <= baseline <= self.audit_window_steps:
             raise ValueError(
                 f"audit_baseline_steps={self.audit_baseline_steps} must be between 10 and "
                 f"audit_window_steps ({self.audit_window_steps}): the window before a climb "

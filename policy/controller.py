@@ -150,7 +150,7 @@ class OffloadController:
                 policy.audit_window_steps,
                 policy.audit_settle_steps,
                 policy.audit_tolerance,
-                baseline=policy.audit_baseline_steps,
+                baseline=policy.audit_baseline,
             )
             if policy.rule == "priced"
             else None

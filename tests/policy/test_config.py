@@ -17,6 +17,12 @@ from dynoff.policy.config import (
 GIB = 1 << 30
 
 
+def test_the_audit_baseline_defaults_to_50_steps_or_the_whole_window() -> None:
+    assert PolicyConfig().audit_baseline == 50
+    assert PolicyConfig(audit_window_steps=20).audit_baseline == 20  # a short window alone
+    assert PolicyConfig(audit_window_steps=20, audit_baseline_steps=12).audit_baseline == 12
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

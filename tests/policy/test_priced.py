@@ -232,8 +232,8 @@ def test_the_defaults_climb_on_a_fast_link_where_the_price_pays() -> None:
     levels = run_burst(ctl, clock, 24, 1500)
     assert levels[-1] == max(levels) == ctl.plan.max_level
     policy = ctl.config.policy
-    assert policy.audit_baseline_steps <= levels.index(1) < policy.audit_window_steps
-    assert levels.index(1) < policy.audit_baseline_steps + policy.cooldown_steps
+    assert policy.audit_baseline <= levels.index(1) < policy.audit_window_steps
+    assert levels.index(1) < policy.audit_baseline + policy.cooldown_steps
     assert not ctl.policy.backoff.until
     # The same engine on PCIe: each level's two 18.6 ms copies are exposed on that batch.
     ctl, clock = burst_controller(PCIE, base_blocks=1024)

@@ -126,10 +126,10 @@ class ChangeAudit:
             pressured += p
             if pressured >= self.saturated_share * n:
                 longest = n
-        run = recent[len(recent) - longest :]
-        while run and not run[0][2]:
-            run.pop(0)
-        return run if len(run) >= self.baseline else []
+        start = len(recent) - longest
+        while start < len(recent) and not recent[start][2]:
+            start += 1
+        return recent[start:] if len(recent) - start >= self.baseline else []
 
     @property
     def ready(self) -> bool:

@@ -81,6 +81,18 @@ class StepModel:
     # 16.8 M pairs and the fixed part: (1,714.5 - 58.5 - 0.225 x 18.6) / 16,384 = 0.1008.
     fixed_share: float = 0.225
 
+    def compute_bound(self, decode: int, prefill: int, price: float) -> tuple[int, float] | None:
+        """Where a step with prefill sits on the roofline at token price ``price``: None on
+        its memory-bound side (the prefill costs a decode token's price a token), else
+        ``(tokens, ms)`` with its time beyond the decode part ``price x tokens - ms``: the
+        batch's compute over the weights' reads, or, when the decode part alone was
+        compute-bound already, the prefill's own tokens."""
+        memory = (1.0 - self.fixed_share) * self.intercept_ms + self.ms_per_decode_token * decode
+        tokens, less = (decode + prefill, memory) if memory >= price * decode else (prefill, 0.0)
+        if price * tokens - less <= self.ms_per_decode_token * prefill:
+            return None
+        return tokens, less
+
     def priced_shape(self, shape: Any) -> Any:
         """``shape`` with the prefill tokens the roofline charges at the prefill price: the
         step's time beyond its decode part, over that price (the cost model stays linear,
@@ -89,11 +101,11 @@ class StepModel:
         price = self.ms_per_prefill_token
         if not prefill or price <= 0 or self.fixed_share >= 1.0:
             return shape
-        memory = (1.0 - self.fixed_share) * self.intercept_ms + self.ms_per_decode_token * decode
-        beyond = max(
-            self.ms_per_decode_token * prefill,
-            price * (decode + prefill) - max(memory, price * decode),
-        )
+        bound = self.compute_bound(decode, prefill, price)
+        if bound is None:
+            beyond = self.ms_per_decode_token * prefill
+        else:
+            beyond = price * bound[0] - bound[1]
         return type(shape)(decode, beyond / price, context)
 
     def step_ms(self, cost: Any, level: int, shape: Any, pairs: int = 0) -> float:
@@ -878,21 +890,17 @@ def _fit_prices(model: StepModel, rows: list[tuple[Any, int, float, float]]) -> 
     """The two prices at ``model``'s share: each row's time beyond its decode part (``base``)
     is, on the compute-bound branch, the token price times the tokens it charges plus the
     pair price times its pairs; on the memory-bound branch its pairs alone."""
-    a = model.ms_per_decode_token
-    floor = (1.0 - model.fixed_share) * model.intercept_ms  # the weights' reads
     price, seen = model.ms_per_prefill_token, None
     for _ in range(50):
         sums = [0.0] * 5  # tt, tp, pp, ty, py
         branches = []
         for (decode, prefill, _), pairs, measured, base in rows:
-            memory = floor + a * decode
-            if price * (decode + prefill) - max(memory, price * decode) <= a * prefill:
-                x, y, branch = 0.0, measured - base - a * prefill, 0  # memory-bound
-            elif memory >= price * decode:  # the batch's compute over the weights' reads
-                x, y, branch = float(decode + prefill), measured - base + memory, 1
-            else:  # the decode part alone was compute-bound already
-                x, y, branch = float(prefill), measured - base, 2
-            branches.append(branch)
+            bound = model.compute_bound(decode, prefill, price)
+            if bound is None:  # memory-bound: the pairs alone are priced here
+                x, y = 0.0, measured - base - model.ms_per_decode_token * prefill
+            else:
+                x, y = float(bound[0]), measured - base + bound[1]
+            branches.append(bound)
             w = 1.0 / measured**2
             sums[0] += w * x * x
             sums[1] += w * x * pairs

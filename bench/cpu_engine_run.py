@@ -21,6 +21,13 @@ k = 0 over KV that moved. Both run the same graphs (the pass's ops in place), so
 outputs must agree to the last token; the reference engine has no ops, and on CPU Inductor
 fuses across the layer boundaries they stand at, so its bf16 roundings differ and greedy
 near ties flip in some of these longer requests.
+
+``k0-prefix`` and ``forced-prefix``: three waves of one question on each of ten shared
+documents of one KV block (:func:`prefix_waves`), three requests at a time, 8 output tokens;
+held at k = 0, and steered through ``level_file``: the top level for the first wave, 0 from
+the second on, so the lowerings reclaim groups that hold cached prefixes the second wave
+asks for. The output adds each wave's cached prompt tokens per request
+(``RequestOutput.num_cached_tokens``).
 """
 
 from __future__ import annotations
@@ -37,6 +44,19 @@ from dynoff.policy.trace import summarize_trace
 
 FORCED_LEVELS = [[0, 0], [3, 2], [12, 1], [20, 2], [40, 0]]
 MANY_LEVELS = [[0, 4], [20, 3], [30, 2], [40, 1], [50, 0]]  # the tiny model's top level is 4
+PREFIX_DOC_TOKENS = 128  # one KV block of vLLM's CPU attention backend
+
+
+def prefix_waves(documents: int = 10, waves: int = 3, seed: int = 1) -> list[list[list[int]]]:
+    """``waves`` rounds of one question on each of ``documents`` shared documents (one full
+    KV block each, so every document is a cached prefix once asked)."""
+    rng = random.Random(seed)
+
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(3, 1000) for _ in range(count)]
+
+    docs = [tokens(PREFIX_DOC_TOKENS) for _ in range(documents)]
+    return [[doc + tokens(8) for doc in docs] for _ in range(waves)]
 
 
 def many_requests(count: int = 40, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -65,7 +85,17 @@ def kv_groups(trace: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "mode", choices=["reference", "forced", "forced-wrong", "live", "k0-many", "forced-many"]
+        "mode",
+        choices=[
+            "reference",
+            "forced",
+            "forced-wrong",
+            "live",
+            "k0-many",
+            "forced-many",
+            "k0-prefix",
+            "forced-prefix",
+        ],
     )
     parser.add_argument("model")
     parser.add_argument("out")
@@ -77,11 +107,16 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     many = args.mode.endswith("-many")
+    prefix = args.mode.endswith("-prefix")
+    level_file = Path(args.out).with_suffix(".level")
     offload: dict[str, Any] | None = None
     if args.mode != "reference":
         offload = {"host_page_size": 64 << 10, "trace_path": args.trace}
-        if args.mode == "k0-many":
+        if args.mode in ("k0-many", "k0-prefix"):
             offload["level_schedule"] = [[0, 0]]
+        elif args.mode == "forced-prefix":  # steered between the waves (below)
+            level_file.write_text("4")
+            offload["level_file"] = str(level_file)
         elif args.mode == "forced-many":
             offload["level_schedule"] = MANY_LEVELS
         elif args.mode.startswith("forced"):
@@ -95,6 +130,8 @@ def main() -> None:
         kwargs["tensor_parallel_size"] = args.tp
     if args.mode == "forced-wrong":
         kwargs["worker_extension_cls"] = EXTENSION
+    if prefix:  # three requests at a time fit level 0's KV: both engines batch alike
+        kwargs["max_num_seqs"] = 3
     llm = LLM(**kwargs)
     if args.mode == "forced-wrong":
         llm.collective_rpc("dynoff_wrong_partner")
@@ -107,11 +144,23 @@ def main() -> None:
         batch = [TokensPrompt(prompt_token_ids=ids) for ids, _ in requests]
         done = llm.generate(batch, params, use_tqdm=False)
         outputs = [list(o.outputs[0].token_ids) for o in done]
+    elif prefix:
+        outputs, cached = [], []
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False)
+        for wave, questions in enumerate(prefix_waves()):
+            if wave == 1 and args.mode == "forced-prefix":
+                level_file.write_text("0")  # lowered from 4 while the next wave runs
+            batch = [TokensPrompt(prompt_token_ids=ids) for ids in questions]
+            done = llm.generate(batch, greedy, use_tqdm=False)
+            outputs += [list(o.outputs[0].token_ids) for o in done]
+            cached.append([int(o.num_cached_tokens or 0) for o in done])
     elif args.mode == "live":
         outputs = generate(llm, prompts(24, 64), 64) + generate(llm, prompts(2, 16, 5), 160)
     else:
         outputs = generate(llm, prompts(6, 40), 24)
     result: dict[str, Any] = {"outputs": outputs}
+    if prefix:
+        result["cached_tokens"] = cached
     if offload is not None:  # HACK guard: the KV the forward reads lies in the VMM ranges
         result["kv_outside_vmm"] = llm.collective_rpc("dynoff_kv_outside_vmm")
     if args.trace:

@@ -13,6 +13,9 @@ greedy sampling), one engine per subprocess.
   lowerings unmap groups mapped at start-up).
 * Tensor parallelism (2 ranks): the same forced schedule, token-identical to a TP = 2
   engine without offloading.
+* Shared prefixes (ten one-block documents, three waves) while the level falls from the
+  top to 0: token-identical to the plugin held at k = 0, every cached prefix on a reclaimed
+  group dropped before its block left the pool.
 * Live policy under a burst then a light tail: every request completes, the level climbs
   and comes back down, and the KV capacity the scheduler sees follows it. (Batches then
   differ from a fixed-capacity engine, so CPU numerics may legitimately differ there.)
@@ -106,6 +109,34 @@ def test_many_requests_decode_on_over_kv_that_moved(model: str, tmp_path: Path) 
     assert len(groups["drained"]) >= 4
     assert any(g < groups["level_0"] for g in groups["drained"])
     assert held["trace"]["levels_visited"] == [0]
+
+
+def test_cached_prefixes_on_reclaimed_kv_are_dropped_not_read(model: str, tmp_path: Path) -> None:
+    """Three waves of one question on each of ten shared one-block documents, three requests
+    at a time. The plugin starts at its top level (16 blocks), where the first wave leaves
+    the documents cached; the second wave runs while it lowers to 0 (8 blocks), so the
+    lowerings reclaim groups holding cached prefixes that the wave is asking for. A prefix
+    hash left on a reclaimed block would hand a request KV that the weights' restore has
+    overwritten, or a block that has left the free queue: with neither of the pool's two
+    drops (at a shrink's start, and as a block leaves), vLLM's free queue raises "remove()
+    called on an invalid block" in this run; either drop alone passes. Every token must
+    match the plugin held at k = 0 (8 blocks: it keeps none of the ten documents between
+    waves, so its prompts are all recomputed, and recomputed and cached prefixes decode
+    alike here)."""
+    held = run_engine("k0-prefix", model, tmp_path)
+    forced = run_engine("forced-prefix", model, tmp_path)
+    assert len(forced["outputs"]) == 30
+    assert forced["outputs"] == held["outputs"]
+    trace = forced["trace"]
+    assert trace["levels_visited"] == [0, 1, 2, 3, 4, 3, 2, 1, 0]
+    assert trace["resize_failures"] == 0 and trace["aborted_drains"] == 0
+    assert trace["audit_failures"] == 0
+    assert forced["kv_outside_vmm"] == [[]]
+    # The second wave hit prefixes the top level had kept, and recomputed the rest, which
+    # the lowerings dropped or the pool evicted; held at k = 0 it hit fewer of them.
+    second = forced["cached_tokens"][1]
+    assert any(n > 0 for n in second) and any(n == 0 for n in second)
+    assert sum(held["cached_tokens"][1]) < sum(second)
 
 
 def test_live_policy_rises_under_a_burst_and_falls_after(model: str, tmp_path: Path) -> None:

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dynoff.allocator import ZERO_PAGE, VmmArena, VmmDriverError, VmmRange, vmm
+from dynoff.allocator import ZERO_PAGE, VmmArena, VmmDriverError, VmmRange
+from dynoff.allocator.vmm import host_memory
 from dynoff.compile_pass.pairing import half, pair_index
 
 logger = logging.getLogger("vllm.dynoff.placement")
@@ -83,21 +84,19 @@ def _layout(layer: nn.Module) -> tuple[list[tuple[nn.Parameter, int]], int]:
     return placed, offset
 
 
-def pinned_empty(nbytes: int, way: str = "register") -> torch.Tensor:
+def pinned_empty(nbytes: int) -> torch.Tensor:
     """``nbytes`` of page-locked host memory (the exact bytes: the caching host allocator
     would round a 0.98 GB layer up to 1 GiB), freed with its last view.
 
-    ``way`` ``"driver"`` (the ``host_memory`` key of the configuration): the driver's own
-    host pages (:func:`~dynoff.allocator.vmm.host_memory`), which the GPU maps at 2 MiB, so
-    they cost the KV cache no page tables, where memory locked with ``cudaHostRegister``
-    costs 2 MiB of device memory per GiB; where the driver has none (before CUDA 12.2),
-    and for ``"register"``, :func:`registered_empty`. CPU-only runs lock nothing."""
+    Where the driver has host allocations (:data:`HOME_MEMORY` ``"driver"``), these are its
+    own host pages (:func:`~dynoff.allocator.vmm.host_memory`): the GPU maps them at 2 MiB,
+    so they cost the KV cache no page tables, where memory locked with ``cudaHostRegister``
+    costs 2 MiB of device memory per GiB. Otherwise (an older driver, or
+    :data:`HOME_MEMORY` ``"register"``) :func:`registered_empty`. CPU-only runs lock nothing."""
     global _driver_refused
-    if way not in ("driver", "register"):
-        raise ValueError(f"way={way!r}: use 'driver' or 'register'")
-    if torch.cuda.is_available() and way == "driver" and not _driver_refused:
+    if torch.cuda.is_available() and HOME_MEMORY == "driver" and not _driver_refused:
         try:
-            return vmm.host_memory(nbytes, "cuda", torch.cuda.current_device())
+            return host_memory(nbytes, "cuda", torch.cuda.current_device())
         except VmmDriverError as e:
             _driver_refused = True
             logger.warning(
@@ -109,16 +108,10 @@ def pinned_empty(nbytes: int, way: str = "register") -> torch.Tensor:
     return registered_empty(nbytes)
 
 
-_driver_refused = False  # once the driver refused host pages, it is not asked again
-
-
-def locked_by(way: str) -> str:
-    """What :func:`pinned_empty` gives for ``way`` here, in words for the log."""
-    if not torch.cuda.is_available():
-        return "not locked: no GPU"
-    if way == "driver" and not _driver_refused:
-        return "the driver's host pages"
-    return "cudaHostRegister"
+# How a home is locked: "driver" (the driver's host pages, falling back to "register" where
+# the driver refuses) or "register" (cudaHostRegister).
+HOME_MEMORY = "register"
+_driver_refused = False
 
 
 def registered_empty(nbytes: int) -> torch.Tensor:
@@ -144,11 +137,11 @@ def registered_empty(nbytes: int) -> torch.Tensor:
     return tensor
 
 
-def host_copy(flat: torch.Tensor, way: str = "register") -> torch.Tensor:
+def host_copy(flat: torch.Tensor) -> torch.Tensor:
     """A page-locked host copy of ``flat`` (:func:`pinned_empty`): the device-to-host copy
     runs as DMA into pinned memory instead of through the driver's pageable staging (0.98
     GB layers, up to 64 of them for Qwen3-32B). ``flat``: a layer's packed bytes."""
-    cpu = pinned_empty(flat.numel(), way)
+    cpu = pinned_empty(flat.numel())
     cpu.copy_(flat.detach())
     return cpu
 
@@ -156,13 +149,7 @@ def host_copy(flat: torch.Tensor, way: str = "register") -> torch.Tensor:
 class WeightPlacement:
     """Packs ``layers`` into VMM ranges of ``arena`` and changes the depth by remapping."""
 
-    def __init__(
-        self,
-        arena: VmmArena,
-        layers: Sequence[nn.Module],
-        max_level: int,
-        host_memory: str = "register",
-    ) -> None:
+    def __init__(self, arena: VmmArena, layers: Sequence[nn.Module], max_level: int) -> None:
         self.arena = arena
         self.num_layers = len(layers)
         if not 0 <= max_level <= half(self.num_layers):
@@ -185,8 +172,7 @@ class WeightPlacement:
         for pack in self.packs:
             i = pair_index(pack.index, self.num_layers)
             if i is not None and i < max_level:
-                pack.cpu = host_copy(pack.flat, host_memory)
-        self.host_memory = locked_by(host_memory)  # what the homes really are
+                pack.cpu = host_copy(pack.flat)
 
     @property
     def layer_bytes(self) -> int:

@@ -10,7 +10,6 @@ from typing import Any, Literal
 from dynoff.policy.geometry import GRANULE
 
 HOMES = ("host", "device")  # dynoff.compile_pass.homes
-HOST_MEMORY = ("driver", "register")  # dynoff.compile_pass.placement.pinned_empty
 
 Estimator = Literal["measured", "model"]
 Proxy = Literal["decode", "model"]
@@ -349,11 +348,6 @@ class DynamicOffloadConfig:
             since the homes (two layers a level) must fit beyond the budget.
         home_GBps: pace every copy from a ``"device"`` home to this bandwidth (the emulated
             link: 390 for a GH200's NVLink-C2C); unset, the copies run at device speed.
-        host_memory: how a ``"host"`` home's memory is page-locked
-            (:func:`~dynoff.compile_pass.placement.pinned_empty`): ``"driver"``, the CUDA
-            driver's own host pages, which the GPU maps at 2 MiB (falling back to
-            ``"register"`` where the driver has none); ``"register"``, ``cudaHostRegister``,
-            whose 4 KiB mappings take 2 MiB of GPU memory per GiB homed from the KV cache.
         audit_changes: debug: around every level change, check on the device that the KV
             groups mapped before and after keep their bytes and every resident layer holds
             its own weights (:class:`~dynoff.compile_pass.levels.ChangeAudit`; ~20 ms a
@@ -373,7 +367,6 @@ class DynamicOffloadConfig:
     measure_transfers: bool = False
     home: str = "host"
     home_GBps: float | None = None
-    host_memory: str = "register"
     audit_changes: bool = False
 
     KEY = "dynamic_offload"
@@ -400,8 +393,6 @@ class DynamicOffloadConfig:
                 f"home_GBps={self.home_GBps} paces the device home (the fast-link emulation): "
                 'set "home": "device" and a bandwidth > 0, or leave home_GBps unset'
             )
-        if self.host_memory not in HOST_MEMORY:
-            raise ValueError(f"host_memory={self.host_memory!r}: use one of {HOST_MEMORY}")
         if self.home == "device" and self.policy.max_level is None:
             raise ValueError(
                 'home "device" keeps two layers a level in GPU memory beyond '

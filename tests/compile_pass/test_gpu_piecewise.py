@@ -1,7 +1,7 @@
 """GPU: the toy decoder at realistic layer size (~486 MB per layer, bf16) with piecewise
 CUDA graphs captured once at k = 0. Replays at every k, changing between replays, give
 outputs identical to k = 0, and the copy stream overlaps compute in a profiler trace. All of it
-with each way of locking the homes (``host_memory``)."""
+with each way of locking the homes (:data:`~dynoff.compile_pass.placement.HOME_MEMORY`)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,15 @@ N, DIM, HIDDEN, TOKENS = 8, 4096, 14336, 128
 
 @pytest.fixture(scope="module", params=["register", "driver"])
 def rig(request):
+    from dynoff.compile_pass import placement as placement_module
+
+    saved, placement_module.HOME_MEMORY = placement_module.HOME_MEMORY, request.param
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = ToyDecoder(N, DIM, HIDDEN).to(torch.bfloat16).requires_grad_(False)
         x = torch.randn(1, TOKENS, DIM, dtype=torch.bfloat16)
     arena = VmmArena("cuda")
-    placement = WeightPlacement(arena, model.layers, max_level=N // 2, host_memory=request.param)
+    placement = WeightPlacement(arena, model.layers, max_level=N // 2)
     assert placement.layer_bytes >= 256 << 20
     torch.cuda.empty_cache()  # the original parameters are gone: VMM holds the weights
     engine = PrefetchEngine.for_placement(placement)
@@ -49,6 +52,7 @@ def rig(request):
 
     yield runner, reference, set_level, engine, placement
     runtime.install(None)
+    placement_module.HOME_MEMORY = saved
 
 
 def locked(home: torch.Tensor) -> bool:

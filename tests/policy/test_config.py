@@ -150,11 +150,6 @@ def test_plugin_config_parses_and_refuses_unknown_keys() -> None:
         DynamicOffloadConfig.from_dict({"kv_layout": "interleaved"})
     assert DynamicOffloadConfig.from_dict({"kv_layout": "packed"}).kv_layout == "packed"
     assert DynamicOffloadConfig().kv_layout == "auto"  # packed where it applies
-    with pytest.raises(
-        ValueError, match=r"host_memory='pinned': use one of \('driver', 'register'\)"
-    ):
-        DynamicOffloadConfig.from_dict({"host_memory": "pinned"})
-    assert DynamicOffloadConfig.from_dict({"host_memory": "driver"}).host_memory == "driver"
 
 
 def test_messages_survive_pickling() -> None:

@@ -299,25 +299,3 @@ class VmmArena:
         """Test hook: the ``after``-th driver call from now fails (0 = the next), and so do
         the ``count`` - 1 calls after it; -1 disarms."""
         self._arena._inject_failure(after, count)
-
-
-def host_memory(nbytes: int, backend: str = "auto", device: int = 0) -> torch.Tensor:
-    """``nbytes`` of page-locked host memory as a CPU ``uint8`` tensor: an offloaded layer's
-    home. The memory is freed when the last view of the tensor goes.
-
-    ``"cuda"``: the driver's own host pages (``cuMemCreate`` at the host location), mapped at
-    one address for ``device`` and the CPU. The copy engine reads them as it reads any
-    page-locked memory, but the GPU maps them at the allocation's granularity (2 MiB), where
-    ``cudaHostRegister`` and ``cudaHostAlloc`` memory is mapped at 4 KiB and its page tables
-    take 2 MiB of device memory per GiB locked (``bench/results/pinned_cost_h200.json``):
-    0.13 GiB of KV cache for Qwen3-32B's 64 layers. ``"host"``: anonymous memory, for CPUs.
-    The contents start undefined. Raises :class:`VmmDriverError` where the driver has no
-    host allocations (before CUDA 12.2)."""
-    if backend == "auto":
-        backend = "cuda" if torch.cuda.is_available() else "host"
-    if backend == "cuda":
-        torch.cuda.init()  # torch's primary context first: the mapping lives in it
-    memory = _vmm.HostMemory(backend, device, nbytes)
-    return (
-        torch.frombuffer(memory, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-    )

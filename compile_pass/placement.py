@@ -28,7 +28,6 @@ the weight bytes, not a power-of-two rounding of them.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -37,11 +36,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dynoff.allocator import ZERO_PAGE, VmmArena, VmmDriverError, VmmRange
-from dynoff.allocator.vmm import host_memory
+from dynoff.allocator import ZERO_PAGE, VmmArena, VmmRange
 from dynoff.compile_pass.pairing import half, pair_index
-
-logger = logging.getLogger("vllm.dynoff.placement")
 
 ALIGN = 256  # bytes; every parameter view starts on a 256-byte boundary
 
@@ -85,37 +81,8 @@ def _layout(layer: nn.Module) -> tuple[list[tuple[nn.Parameter, int]], int]:
 
 
 def pinned_empty(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of page-locked host memory (the exact bytes: the caching host allocator
-    would round a 0.98 GB layer up to 1 GiB), freed with its last view.
-
-    Where the driver has host allocations (:data:`HOME_MEMORY` ``"driver"``), these are its
-    own host pages (:func:`~dynoff.allocator.vmm.host_memory`): the GPU maps them at 2 MiB,
-    so they cost the KV cache no page tables, where memory locked with ``cudaHostRegister``
-    costs 2 MiB of device memory per GiB. Otherwise (an older driver, or
-    :data:`HOME_MEMORY` ``"register"``) :func:`registered_empty`. CPU-only runs lock nothing."""
-    global _driver_refused
-    if torch.cuda.is_available() and HOME_MEMORY == "driver" and not _driver_refused:
-        try:
-            return host_memory(nbytes, "cuda", torch.cuda.current_device())
-        except VmmDriverError as e:
-            _driver_refused = True
-            logger.warning(
-                "the CUDA driver has no host allocations (%s): offloaded layers are homed in "
-                "memory locked with cudaHostRegister, whose page tables take 2 MiB of GPU "
-                "memory per GiB from the KV cache; a driver of CUDA 12.2 or later avoids that",
-                e,
-            )
-    return registered_empty(nbytes)
-
-
-# How a home is locked: "driver" (the driver's host pages, falling back to "register" where
-# the driver refuses) or "register" (cudaHostRegister).
-HOME_MEMORY = "register"
-_driver_refused = False
-
-
-def registered_empty(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of host memory, page-locked with ``cudaHostRegister`` and unregistered when
+    """``nbytes`` of host memory, page-locked with ``cudaHostRegister`` (the exact bytes: the
+    caching host allocator would round a 0.98 GB layer up to 1 GiB) and unregistered when
     the memory is freed. The pages are faulted in by ATen's intra-op threads (``zero_``)
     before they are locked, not by the driver on one thread. CPU-only runs skip the lock.
 

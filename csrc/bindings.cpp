@@ -96,25 +96,6 @@ PYBIND11_MODULE(_vmm, m) {
                                {static_cast<py::ssize_t>(r.nbytes())}, {1}, false);
       });
 
-  py::class_<dynoff::HostMemory>(m, "HostMemory", py::buffer_protocol(),
-                                  "Page-locked host memory (cuda: the driver's host pages, "
-                                  "mapped for the device and the CPU; host: anonymous memory), "
-                                  "freed when the object and every buffer over it are gone.")
-      .def(py::init([](const std::string& backend, int device, std::size_t nbytes) {
-             py::gil_scoped_release release;  // faulting in a GiB takes a while
-             if (backend == "cuda") return dynoff::make_cuda_host_memory(device, nbytes);
-             if (backend == "host") return dynoff::make_host_host_memory(nbytes);
-             throw std::invalid_argument("unknown backend '" + backend +
-                                         "'; expected 'cuda' or 'host'");
-           }),
-           py::arg("backend"), py::arg("device"), py::arg("nbytes"))
-      .def_property_readonly("ptr", &dynoff::HostMemory::ptr)
-      .def_property_readonly("nbytes", &dynoff::HostMemory::nbytes)
-      .def_buffer([](dynoff::HostMemory& h) -> py::buffer_info {
-        return py::buffer_info(reinterpret_cast<void*>(h.ptr()), 1, "B", 1,
-                               {static_cast<py::ssize_t>(h.nbytes())}, {1}, false);
-      });
-
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena")
       .def(py::init(&make_arena), py::arg("backend"), py::arg("device") = 0,
            py::arg("page_size") = 0, py::arg("coalesce") = true)

@@ -17,7 +17,6 @@ constexpr CUresult CUDA_SUCCESS = 0;
 constexpr int CU_MEM_ALLOCATION_TYPE_PINNED = 0x1;
 constexpr int CU_MEM_HANDLE_TYPE_NONE = 0x0;
 constexpr int CU_MEM_LOCATION_TYPE_DEVICE = 0x1;
-constexpr int CU_MEM_LOCATION_TYPE_HOST = 0x2;
 constexpr int CU_MEM_ACCESS_FLAGS_PROT_READ = 0x1;
 constexpr int CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3;
 constexpr int CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0;

@@ -3,7 +3,6 @@
 // the one torch uses, so our addresses are valid in torch's kernels and CUDA graphs.
 #include <dlfcn.h>
 
-#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -171,77 +170,7 @@ class CudaDriver final : public Driver {
   std::size_t page_size_ = 0;
 };
 
-class CudaHostMemory final : public HostMemory {
- public:
-  CudaHostMemory(int device, std::size_t bytes) : nbytes_(bytes) {
-    CU_CHECK(api().cuInit(0));
-    CU_CHECK(api().cuDeviceGet(&device_, device));
-    CU_CHECK(api().cuDevicePrimaryCtxRetain(&context_, device_));
-    try {
-      use_context();
-      CUmemAllocationProp prop{};
-      prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-      prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;  // HOST allocations cannot be shared
-      prop.location = {CU_MEM_LOCATION_TYPE_HOST, 0};       // the id is ignored for HOST
-      std::size_t granularity = 0;
-      CU_CHECK(api().cuMemGetAllocationGranularity(&granularity, &prop,
-                                                    CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-      mapped_ = (std::max<std::size_t>(bytes, 1) + granularity - 1) / granularity * granularity;
-      CU_CHECK(api().cuMemCreate(&handle_, mapped_, &prop, 0));
-      CU_CHECK(api().cuMemAddressReserve(&va_, mapped_, granularity, 0, 0));
-      CU_CHECK(api().cuMemMap(va_, mapped_, 0, handle_, 0));
-      mapped_in_ = true;
-      CUmemAccessDesc access[2]{};
-      access[0].location = {CU_MEM_LOCATION_TYPE_DEVICE, device_};
-      access[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-      access[1].location = {CU_MEM_LOCATION_TYPE_HOST, 0};
-      access[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-      CU_CHECK(api().cuMemSetAccess(va_, mapped_, access, 2));
-    } catch (...) {
-      release();
-      throw;
-    }
-  }
-  ~CudaHostMemory() override { release(); }
-  CudaHostMemory(const CudaHostMemory&) = delete;
-  CudaHostMemory& operator=(const CudaHostMemory&) = delete;
-
-  std::uintptr_t ptr() const override { return static_cast<std::uintptr_t>(va_); }
-  std::size_t nbytes() const override { return nbytes_; }
-
- private:
-  void use_context() {
-    CUcontext current = nullptr;
-    CU_CHECK(api().cuCtxGetCurrent(&current));
-    if (current != context_) CU_CHECK(api().cuCtxSetCurrent(context_));
-  }
-  // Frees whatever the constructor got, in reverse; errors are ignored (at exit the context
-  // may already be gone, and so is the process).
-  void release() noexcept {
-    if (mapped_in_) api().cuMemUnmap(va_, mapped_);
-    if (va_ != 0) api().cuMemAddressFree(va_, mapped_);
-    if (handle_ != 0) api().cuMemRelease(handle_);
-    if (context_ != nullptr) api().cuDevicePrimaryCtxRelease(device_);
-    mapped_in_ = false;
-    va_ = 0;
-    handle_ = 0;
-    context_ = nullptr;
-  }
-
-  std::size_t nbytes_;
-  std::size_t mapped_ = 0;
-  CUdevice device_ = 0;
-  CUcontext context_ = nullptr;
-  CUmemGenericAllocationHandle handle_ = 0;
-  CUdeviceptr va_ = 0;
-  bool mapped_in_ = false;
-};
-
 }  // namespace
-
-std::unique_ptr<HostMemory> make_cuda_host_memory(int device, std::size_t bytes) {
-  return std::make_unique<CudaHostMemory>(device, bytes);
-}
 
 std::unique_ptr<Driver> make_cuda_driver(int device, std::size_t page_size) {
   return std::make_unique<CudaDriver>(device, page_size);

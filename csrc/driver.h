@@ -61,21 +61,4 @@ class Driver {
 std::unique_ptr<Driver> make_cuda_driver(int device, std::size_t page_size);
 std::unique_ptr<Driver> make_host_driver(std::size_t page_size);
 
-// Page-locked host memory the CPU writes and the device reads: an offloaded layer's home.
-//   cuda: the driver's own host pages (cuMemCreate at CU_MEM_LOCATION_TYPE_HOST), mapped at
-//         one address for the device and the CPU. The GPU maps them at the allocation's
-//         granularity; memory locked with cudaHostRegister or cudaHostAlloc is mapped at 4 KiB,
-//         and its page tables take 2 MiB of device memory per GiB locked (the KV cache's).
-//   host: anonymous memory (nothing to lock without a device).
-// Its contents start undefined; it lives until the object goes.
-class HostMemory {
- public:
-  virtual ~HostMemory() = default;
-  virtual std::uintptr_t ptr() const = 0;
-  virtual std::size_t nbytes() const = 0;  // as asked; the mapping may be rounded up
-};
-
-std::unique_ptr<HostMemory> make_cuda_host_memory(int device, std::size_t bytes);
-std::unique_ptr<HostMemory> make_host_host_memory(std::size_t bytes);
-
 }  // namespace dynoff

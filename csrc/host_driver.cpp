@@ -99,31 +99,7 @@ class HostDriver final : public Driver {
   std::vector<Handle> released_;
 };
 
-class AnonymousHostMemory final : public HostMemory {
- public:
-  explicit AnonymousHostMemory(std::size_t bytes) : nbytes_(bytes), mapped_(bytes == 0 ? 1 : bytes) {
-    void* va = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (va == MAP_FAILED) DYNOFF_FAIL(errno_message("mmap(host memory)"));
-    ptr_ = reinterpret_cast<std::uintptr_t>(va);
-  }
-  ~AnonymousHostMemory() override { munmap(reinterpret_cast<void*>(ptr_), mapped_); }
-  AnonymousHostMemory(const AnonymousHostMemory&) = delete;
-  AnonymousHostMemory& operator=(const AnonymousHostMemory&) = delete;
-
-  std::uintptr_t ptr() const override { return ptr_; }
-  std::size_t nbytes() const override { return nbytes_; }
-
- private:
-  std::size_t nbytes_;
-  std::size_t mapped_;
-  std::uintptr_t ptr_ = 0;
-};
-
 }  // namespace
-
-std::unique_ptr<HostMemory> make_host_host_memory(std::size_t bytes) {
-  return std::make_unique<AnonymousHostMemory>(bytes);
-}
 
 std::unique_ptr<Driver> make_host_driver(std::size_t page_size) {
   return std::make_unique<HostDriver>(page_size);

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from dynoff.allocator import ZERO_PAGE, PagePoolExhausted, VmmArena, VmmDriverError
-from dynoff.allocator.vmm import host_memory
 
 MiB = 1 << 20
 # (backend, page size): the default page (one granule) and a page of three granules, as the
@@ -227,30 +226,3 @@ def test_a_range_is_never_freed_over_a_page_it_could_not_unmap(
     arena._inject_failure(-1)
     again = arena.reserve(3)  # the arena goes on serving either way
     assert again.mapping() == [ZERO_PAGE] * 3
-
-
-def _mapped(ptr: int) -> bool:
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            if start <= ptr < end:
-                return True
-    return False
-
-
-def test_host_memory_is_written_read_and_unmapped_with_its_last_view() -> None:
-    """A home's memory (``host_memory``; the cuda backend's is tested on the GPU) holds what
-    the CPU writes, outlives every view of it, and goes with the last one."""
-    home = host_memory(3 * MiB + 5, "host")  # a layer is not whole pages
-    assert home.numel() == 3 * MiB + 5 and home.dtype == torch.uint8
-    source = torch.randint(0, 256, (home.numel(),), dtype=torch.uint8)
-    home.copy_(source)
-    ptr, view = home.data_ptr(), home[-10:]
-    del home
-    gc.collect()
-    assert _mapped(ptr) and torch.equal(view, source[-10:])
-    del view
-    gc.collect()
-    assert not _mapped(ptr)
-    with pytest.raises(ValueError, match="expected 'cuda' or 'host'"):
-        host_memory(MiB, "tpu")

@@ -12,7 +12,7 @@ import gc
 import pytest
 import torch
 
-from dynoff.compile_pass.placement import registered_empty
+from dynoff.compile_pass.placement import pinned_empty
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +26,7 @@ def registered(ptr: int) -> bool:
 
 def test_a_pinned_host_copy_is_unregistered_when_its_last_view_goes() -> None:
     torch.cuda.init()
-    host = registered_empty(256 << 20)
+    host = pinned_empty(256 << 20)
     ptr, view = host.data_ptr(), host[: 1 << 20]
     assert host.is_pinned() and registered(ptr)
     del host

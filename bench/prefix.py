@@ -143,7 +143,7 @@ def goals(systems: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def plot(result: dict[str, Any], out_dir: Path) -> Path:
+def plot(result: dict[str, Any], out_dir: Path, stem: str = "prefix") -> Path:
     """Throughput and P99 TTFT against the offered rate, one line per system, the spread
     of the repetitions as error bars."""
     import matplotlib
@@ -160,6 +160,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> Path:
         left.errorbar(xs, tput, yerr=spread, marker="o", capsize=3, label=system)
         right.plot(xs, [data["rates"][r]["p99_ttft_ms"] / 1e3 for r in rates], marker="o")
     left.set(xlabel="offered rate (req/s)", ylabel="completed (req/s)", title="throughput")
+    left.set_ylim(bottom=0)  # a 0.5% gap must not fill the axis
     right.axhline(result["ttft_bound_ms"] / 1e3, color="gray", linestyle=":")
     right.set(xlabel="offered rate (req/s)", ylabel="P99 TTFT (s)", title="worst repetition")
     right.set_yscale("log")
@@ -167,7 +168,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> Path:
     fig.suptitle("doc QA (16 documents of ~4k tokens) under vllm serve")
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "prefix.png"
+    path = out_dir / f"{stem}.png"  # named after the report: prefix_h200.png, prefix_h100.png
     save_figure(fig, path)
     plt.close(fig)
     return path
@@ -178,12 +179,12 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="bench.serve_bench results (.json or .json.gz)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--ttft-bound-ms", type=float, default=TTFT_BOUND_MS)
-    parser.add_argument("--plots", default=None, help="folder for prefix.png")
+    parser.add_argument("--plots", default=None, help="folder for the plot, named after --out")
     args = parser.parse_args()
     result = report(args.runs, args.ttft_bound_ms)
     write_results(args.out, result)
     if args.plots:
-        print(f"wrote {plot(result, Path(args.plots))}")
+        print(f"wrote {plot(result, Path(args.plots), Path(args.out).name.split('.')[0])}")
     for system, data in result["systems"].items():
         print(
             f"{system}: max sustainable {data['max_sustainable_rps']} req/s, cv {data['cv']}, "

@@ -12,9 +12,10 @@ that went (``cudaMemGetInfo``) per GiB pinned:
 * ``register_thp``: the same on 2 MiB-aligned memory advised ``MADV_HUGEPAGE``;
 * ``host_alloc``: ``cudaHostAlloc`` (``torch.empty(pin_memory=True)``);
 * ``vmm_host``: the driver's own host pages, ``cuMemCreate`` at ``CU_MEM_LOCATION_TYPE_HOST``
-  (2 MiB granularity or more), mapped with ``cuMemMap`` and made readable by the device and
-  writable by the CPU with ``cuMemSetAccess``: if the GPU maps these at the allocation's
-  granularity, not 4 KiB, its page tables cost 512 times less.
+  (2 MiB granularity), mapped with ``cuMemMap`` and made readable by the device and
+  writable by the CPU with ``cuMemSetAccess``: the hope was that the GPU maps these at the
+  allocation's granularity, not 4 KiB. It does not: 2.0 MiB per GiB on the H100, as
+  ``cudaHostRegister`` (``bench/results/pinned_cost_h100.json``).
 
 With each way's device cost goes the H2D copy speed of one 1 GiB chunk (``cuMemcpy`` into
 a device tensor, the best of three): a home that costs nothing but copies slower is no home.
@@ -263,8 +264,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=int, default=16)
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--ways",
+        nargs="+",
+        choices=WAYS,
+        default=list(WAYS),
+        help="the ways to measure, in this order (one per process avoids the driver reusing "
+        "one way's freed page tables for the next: H100, register_thp and host_alloc read "
+        "1.0 MiB per GiB after register_4k, 2.0 on the H200 at 16 GiB)",
+    )
     args = parser.parse_args()
-    result = {name: measure(name, args.gib) for name in WAYS}
+    result = {name: measure(name, args.gib) for name in args.ways}
     for name, row in result.items():
         print(f"{name}: {row}", flush=True)
     write_results(args.out, {"ways": result})

@@ -80,6 +80,14 @@ class StepModel:
     # scales the pair; the token price is what is left of the 1,714.5 ms beside its
     # 16.8 M pairs and the fixed part: (1,714.5 - 58.5 - 0.225 x 18.6) / 16,384 = 0.1008.
     fixed_share: float = 0.225
+    # What a step at k > 0 costs beyond the cost model: the copies' contention with compute
+    # and the piecewise path at large batches, which the model leaves out. A server's
+    # calibration measures it (its level-1 decode steps against the model fitted to its
+    # level-0 ones: the policy's :func:`~dynoff.policy.pricing.model_error`, 3.4% on the
+    # H100 of 2026-12-07); ``--calibration`` takes it, and every simulated step at k > 0
+    # pays it, as the calibration's level-1 steps do, so the simulated policy prices its
+    # first climb with the margin the real one had. 0 without a calibration.
+    level_excess: float = 0.0
 
     def compute_bound(self, decode: int, prefill: int, price: float) -> tuple[int, float] | None:
         """Where a step with prefill sits on the roofline at token price ``price``: None on
@@ -110,7 +118,8 @@ class StepModel:
 
     def step_ms(self, cost: Any, level: int, shape: Any, pairs: int = 0) -> float:
         """A step's forward at ``level`` (``cost``: this model's :meth:`cost_model`)."""
-        return cost.step_ms(level, self.priced_shape(shape)) + self.ms_per_prefill_pair * pairs
+        forward = cost.step_ms(level, self.priced_shape(shape)) + self.ms_per_prefill_pair * pairs
+        return forward * (1.0 + self.level_excess) if level > 0 else forward
 
     def calibration(self) -> Any:
         """What the workers' start-up calibration would measure on this machine."""
@@ -126,7 +135,7 @@ class StepModel:
                     batch,
                     full,
                     full + self.piecewise_penalty_ms,
-                    cost.step_ms(1, StepShape(batch, 0)),
+                    cost.step_ms(1, StepShape(batch, 0)) * (1.0 + self.level_excess),
                 )
             )
         return Calibration(
@@ -979,8 +988,11 @@ def from_calibration(calibration: dict[str, Any], base: StepModel) -> StepModel:
     :func:`~dynoff.policy.pricing.model_error` fits them), its piecewise penalty and its
     level changes' stalls. Prefill, attention's context term and the link stay ``base``'s: the
     calibration's decode steps carry no prefill and little context. On the H100 (2026-12-06)
-    the scaled model made those steps 7-18% slower than the card measured them."""
-    from dynoff.policy.latency import StepShape, StepTimeFit
+    the scaled model made those steps 7-18% slower than the card measured them. And what its
+    level-1 steps measured beyond the model (:attr:`StepModel.level_excess`)."""
+    from dynoff.policy.latency import OffloadCostModel, StepShape, StepTimeFit
+    from dynoff.policy.messages import Calibration
+    from dynoff.policy.pricing import model_error
 
     rows = calibration.get("decode_steps") or []
     if len(rows) < 2:
@@ -991,13 +1003,31 @@ def from_calibration(calibration: dict[str, Any], base: StepModel) -> StepModel:
     cost = fit.solve()
     if cost is None:
         raise ValueError(f"the calibration's decode steps fit no step time: {rows}")
+    penalty = float(calibration["piecewise_penalty_ms"])
+    measured = Calibration(
+        h2d_GBps=float(calibration.get("h2d_GBps") or base.link_GBps),
+        layer_copy_ms=float(calibration.get("layer_copy_ms") or 0.0),
+        piecewise_penalty_ms=penalty,
+        decode_steps=tuple((int(r[0]), *map(float, r[1:])) for r in rows if len(r) >= 4),
+    )
+
+    def build(step: Any) -> OffloadCostModel:  # as the policy builds it (controller.py)
+        return OffloadCostModel.from_step_cost(
+            base.num_layers,
+            base.layer_bytes,
+            measured.h2d_GBps * 1e9,
+            step,
+            piecewise_penalty_ms=penalty,
+        )
+
     return dataclasses.replace(
         base,
         intercept_ms=cost.intercept_ms,
         ms_per_decode_token=cost.ms_per_decode_token,
-        piecewise_penalty_ms=float(calibration["piecewise_penalty_ms"]),
+        piecewise_penalty_ms=penalty,
         stall_up_ms=float(calibration["stall_up_ms"]),
         stall_down_ms=float(calibration["stall_down_ms"]),
+        level_excess=model_error(measured, build),
     )
 
 

@@ -370,6 +370,61 @@ def test_a_servers_start_up_calibration_replaces_the_scaled_decode_steps(tmp_pat
     assert json.loads(out.read_text())["model"]["intercept_ms"] == pytest.approx(24.68)
 
 
+def test_a_calibrations_level_1_excess_is_charged_and_priced_as_the_server_did() -> None:
+    """The H100's doc-QA at 5 req/s with the CPU tier (2026-12-07): the server's level-1
+    decode steps ran up to 3.4% over its cost model, so its policy asked a first climb to
+    clear 3.4% and held level 0; the simulator handed its policy a calibration of its own
+    model (0% to clear) and climbed. ``--calibration`` now takes that excess: every
+    simulated step at k > 0 pays it, and the simulated calibration shows it, so the
+    simulated policy's margin is the server's."""
+    from bench.simulator import MACHINES, MODELS, from_calibration, scaled_step_model
+    from dynoff.policy.latency import OffloadCostModel, StepShape
+    from dynoff.policy.pricing import model_error
+
+    base = scaled_step_model(MACHINES["h100"], MODELS["qwen3-32b"], 1, 55.1)
+    measured = {  # the server's calibration event, prefix_h100/plugin_kvoff_*.json.gz
+        "h2d_GBps": 55.13,
+        "layer_copy_ms": 17.689,
+        "piecewise_penalty_ms": 0.939,
+        "decode_steps": [
+            [8, 24.54595184326172, 25.16966438293457, 36.43894577026367],
+            [64, 26.184511184692383, 27.123424530029297, 36.565921783447266],
+            [256, 34.525535583496094, 35.79, 38.3],
+        ],
+        "stall_up_ms": 4.0,
+        "stall_down_ms": 5.0,
+    }
+    model = from_calibration(measured, base)
+    assert 0.02 < model.level_excess < 0.05  # the server logged 3.4%
+    assert (
+        from_calibration(
+            {**measured, "decode_steps": [[*r[:3], 0.0] for r in measured["decode_steps"]]}, base
+        ).level_excess
+        == 0.0
+    )
+
+    cost = model.cost_model()
+    shape = StepShape(64, 0)
+    assert model.step_ms(cost, 0, shape) == pytest.approx(cost.step_ms(0, shape))
+    assert model.step_ms(cost, 1, shape) == pytest.approx(
+        cost.step_ms(1, shape) * (1 + model.level_excess)
+    )
+
+    def builder(m):  # type: ignore[no-untyped-def]  # as the policy builds its model
+        return lambda step: OffloadCostModel.from_step_cost(
+            m.num_layers,
+            m.layer_bytes,
+            m.link_GBps * 1e9,
+            step,
+            piecewise_penalty_ms=m.piecewise_penalty_ms,
+        )
+
+    assert model_error(model.calibration(), builder(model)) == pytest.approx(
+        model.level_excess, rel=1e-3
+    )
+    assert model_error(base.calibration(), builder(base)) == pytest.approx(0.0, abs=1e-9)
+
+
 def test_the_prefill_tokens_price_can_be_set_and_moves_a_prefill_heavy_replay(
     tmp_path: Path,
 ) -> None:

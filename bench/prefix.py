@@ -96,12 +96,20 @@ def max_sustainable(rates: dict[float, dict[str, Any]]) -> float | None:
 def report(paths: list[str], ttft_bound_ms: float = TTFT_BOUND_MS) -> dict[str, Any]:
     by_system: dict[str, dict[float, list[dict[str, Any]]]] = {}
     commands = []
+    seen: dict[tuple[str, str], str] = {}  # (system, trace) -> the file that ran it
     for path in paths:
         run = read_results(path)
         rate = rate_of(run.get("point") or {})
         if not isinstance(rate, float | int):
             raise ValueError(f"{path}: no single rate in its point {run.get('point')}")
         system = system_of(run)
+        trace = str((run.get("point") or {}).get("trace"))
+        if (system, trace) in seen:  # one trace twice is not two repetitions
+            raise ValueError(
+                f"{path} and {seen[system, trace]}: {system} ran the same trace ({trace}) "
+                "twice; a repetition needs another --seed: pass one of the two"
+            )
+        seen[system, trace] = str(path)
         by_system.setdefault(system, {}).setdefault(float(rate), []).append(
             repetition(run, ttft_bound_ms)
         )

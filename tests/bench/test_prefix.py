@@ -64,3 +64,12 @@ def test_a_repetition_that_fails_a_request_is_not_sustained(tmp_path: Path) -> N
     result = report(write_records(tmp_path, [ok, bad]))
     assert result["systems"]["plugin_kvoff"]["max_sustainable_rps"] is None
     assert result["goals"]["no_harm_every_rate"] is None  # stock_kvoff missing: not read
+
+
+def test_one_trace_run_twice_is_refused_not_counted_as_two_repetitions(tmp_path: Path) -> None:
+    first = record("plugin", True, 5.0, 0, 4.4, 3000.0)
+    again = record("plugin", True, 5.0, 0, 4.5, 2900.0)  # the same seed: the same trace
+    with pytest.raises(ValueError, match=r"ran the same trace .* twice; a repetition needs"):
+        report(write_records(tmp_path, [first, again]))
+    other = record("stock", True, 5.0, 0, 4.4, 3000.0)  # another system on it is a pair
+    assert report(write_records(tmp_path, [first, other]))["systems"]["stock_kvoff"]

@@ -12,6 +12,8 @@ set -uo pipefail
 source bench/gpu/card.sh
 export PYTHONUNBUFFERED=1
 export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
+source bench/gpu/compile_cache.sh
+compile_cache_restore
 model="$1"; layout="$2"; rate="${3:-8}"; cycles="${4:-24}"; step_ms="${5:-40}"
 [ -f /tmp/dynoff-env.sh ] || bash bench/gpu/build.sh > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 source /tmp/dynoff-env.sh
@@ -27,4 +29,5 @@ python3 -m bench.serve_bench --system plugin --model "/tmp/site/models/$model" \
 rc=$?
 grep -h "dynamic offload" "$OUT/level_change_${model}_${layout}_server.log" | cut -c1-300 | tail -12
 python3 -m bench.level_change "$OUT/level_change_${model}_${layout}_${card}.json" --out "$OUT/level_change_report.json"
+compile_cache_keep
 exit $rc

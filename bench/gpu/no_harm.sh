@@ -18,6 +18,8 @@ set -uo pipefail
 source bench/gpu/card.sh
 export PYTHONUNBUFFERED=1
 export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
+source bench/gpu/compile_cache.sh
+compile_cache_restore
 system="$1"; model="$2"; regime="$3"; shift 3
 label="${LABEL:-$system}"
 case "$regime" in
@@ -48,4 +50,5 @@ python3 -m bench.serve_bench --system "$system" --model "/tmp/site/models/$model
   --gpu-memory-utilization "$util" "${points[@]}" "${extra[@]}" --log "$OUT/${label}_server.log"
 rc=$?
 grep -h "dynamic offload\|Available KV\|KV cache size\|Actual usage\|offloading" "$OUT/${label}_server.log" | cut -c1-400 | tail -30
+compile_cache_keep
 exit $rc

@@ -13,6 +13,8 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
+source bench/gpu/compile_cache.sh
+compile_cache_restore
 # vLLM's client keeps idle connections 60 s, vllm serve closes them after 5 s: a request sent
 # on one the server is closing fails before the server sees it (2026-12-05's soak lost one so).
 # The soak measures level changes, not that race: the server keeps connections 75 s.
@@ -33,4 +35,5 @@ python3 -m bench.serve_bench --system plugin --model "/tmp/site/models/$model" \
 rc=$?
 grep -h "dynamic offload" "$OUT/soak_${model}_server.log" | grep -v "level .* -> " | cut -c1-300 | tail -8
 python3 -m bench.level_change --soak-report "$OUT/soak_${model}_${card}.json" --out "$OUT/soak_${card}.json"
+compile_cache_keep
 exit $rc

@@ -36,9 +36,11 @@ def run(
     kv_offloading_size: float | None = None,
     plugin_config: str = "{}",
     model: StepModel | None = None,
+    admission: str = "async",
 ) -> dict:
     args = argparse.Namespace(
         system=system,
+        admission=admission,
         model=str(ROOT / "tests/models/qwen3-32b"),
         kv_blocks=kv_blocks,
         max_level=8,
@@ -56,6 +58,20 @@ def test_a_short_trace_replays_as_committed(tmp_path: Path) -> None:
     assert result.pop("host_ms_per_step") > 0  # measured on this CPU, not replayed
     expected = json.loads(EXPECTED.read_text())
     assert result == expected, "the simulation changed: if on purpose, rewrite " + str(EXPECTED)
+
+
+def test_a_request_arriving_mid_step_waits_a_step_more_under_async_scheduling() -> None:
+    """vLLM schedules step i+1 while step i runs (async scheduling, its default): a request
+    that arrives during a step misses the step already scheduled. One arriving at an idle
+    engine is scheduled at once either way."""
+    first = {"t": 0.0, "prompt_len": 100, "output_len": 20}
+    idle = run("stock", [first])["p99_ttft_ms"]
+    assert idle == run("stock", [first], admission="sync")["p99_ttft_ms"]
+    pair = [first, {"t": 0.001, "prompt_len": 100, "output_len": 20}]  # during the first step
+    lagged, prompt = run("stock", pair), run("stock", pair, admission="sync")
+    step = lagged["median_tpot_ms"]
+    assert lagged["p99_ttft_ms"] - prompt["p99_ttft_ms"] >= 0.8 * step > 0
+    assert lagged["p99_ttft_ms"] - prompt["p99_ttft_ms"] <= 2.0 * step
 
 
 @pytest.mark.parametrize("link", [55.3, 390.0])

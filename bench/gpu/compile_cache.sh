@@ -30,7 +30,7 @@ compile_cache_keep() {
     echo "compile cache: ${mb} MiB, over ${max_mb} MiB: not sent back"
     return 0
   fi
-  mkdir -p "$OUT/cache"
+  rm -rf "$OUT/cache" && mkdir -p "$OUT/cache"  # a later script's cache holds the earlier's
   tar -C "$VLLM_CACHE_ROOT" -czf - torch_compile_cache \
     | split -b 15m -d - "$OUT/cache/torch_compile_cache.tgz.part-"
   echo "compile cache: ${mb} MiB sent back in $(ls "$OUT/cache" | wc -l) part(s) (\$OUT/cache)"

@@ -121,6 +121,29 @@ def check_gpu_config(vllm_config: Any) -> None:
         )
 
 
+def check_features(vllm_config: Any) -> None:
+    """Refuse vLLM features the plugin has not been tested with, on any platform, with the
+    fix. Speculative decoding: a draft model (EAGLE, MTP, a smaller model) is compiled with
+    the same compilation config, so the layer pass would put the target's offload ops into
+    the draft's graph, and every method changes the steps' shapes the policy prices. LoRA:
+    adapters are written into the decoder layers while serving, which the layers' host
+    copies never see."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        method = getattr(spec, "method", None) or "a draft model"
+        raise ValueError(
+            f"speculative decoding ({method}) has not been tested with dynamic offload: a "
+            "draft model would be compiled with the offload ops and the policy prices steps "
+            "without speculative tokens; drop --speculative-config, or serve without the plugin"
+        )
+    if getattr(vllm_config, "lora_config", None) is not None:
+        raise ValueError(
+            "LoRA has not been tested with dynamic offload: adapters are loaded into the "
+            "decoder layers while serving, and an offloaded layer is copied back from its "
+            "host copy made at start-up; drop --enable-lora, or serve without the plugin"
+        )
+
+
 def check_kv_connector(vllm_config: Any) -> None:
     """Refuse a KV connector the plugin cannot coordinate with (``--kv-transfer-config``, or
     ``--kv-offloading-size``, which vLLM turns into one). vLLM's own CPU KV offloading, the
@@ -206,6 +229,7 @@ class DynamicOffloadMixin:
             raise ValueError("dynamic offload does not support pipeline parallelism yet")
         if not current_platform.is_cpu():
             check_gpu_config(vllm_config)
+        check_features(vllm_config)
         check_kv_connector(vllm_config)
         route = check_compile_config(vllm_config.compilation_config)
         if route == "split":

@@ -1,4 +1,4 @@
-"""GPU configurations the worker refuses at start-up, with the reason."""
+"""Configurations the worker refuses at start-up, with the reason and the fix."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 import pytest
 from vllm.config import CUDAGraphMode
 
-from dynoff.compile_pass.worker_base import check_gpu_config, check_kv_connector
+from dynoff.compile_pass.worker_base import check_features, check_gpu_config, check_kv_connector
 
 
 def config(
@@ -67,6 +67,29 @@ def test_a_kv_connector_other_than_vllms_cpu_offloading_is_refused_with_the_fix(
     with pytest.raises(ValueError, match=rf"kv_connector={connector}.*--kv-offloading-size N"):
         check_kv_connector(with_connector)
     check_kv_connector(VllmConfig())  # no connector: accepted
+
+
+def test_speculative_decoding_is_refused_with_the_fix() -> None:
+    """A draft model would be compiled with the offload ops; every method changes the step
+    shapes the policy prices. vLLM's own config objects, as the CLI builds them."""
+    from vllm.config import SpeculativeConfig
+
+    ngram = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=2
+    )
+    served = types.SimpleNamespace(speculative_config=ngram, lora_config=None)
+    with pytest.raises(ValueError, match=r"speculative decoding \(ngram\).*--speculative-config"):
+        check_features(served)
+    check_features(types.SimpleNamespace(speculative_config=None, lora_config=None))
+
+
+def test_lora_is_refused_with_the_fix() -> None:
+    """Adapters are written into the layers while serving; their host copies never see it."""
+    from vllm.config import LoRAConfig
+
+    served = types.SimpleNamespace(speculative_config=None, lora_config=LoRAConfig())
+    with pytest.raises(ValueError, match=r"LoRA.*drop --enable-lora"):
+        check_features(served)
 
 
 def test_vllms_cpu_kv_offloading_is_accepted() -> None:

@@ -77,19 +77,31 @@ def test_speculative_decoding_is_refused_with_the_fix() -> None:
     ngram = SpeculativeConfig(
         method="ngram", num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=2
     )
-    served = types.SimpleNamespace(speculative_config=ngram, lora_config=None)
+    served = types.SimpleNamespace(speculative_config=ngram, lora_config=None, model_config=None)
     with pytest.raises(ValueError, match=r"speculative decoding \(ngram\).*--speculative-config"):
         check_features(served)
-    check_features(types.SimpleNamespace(speculative_config=None, lora_config=None))
+    check_features(types.SimpleNamespace(speculative_config=None, lora_config=None))  # none set
 
 
 def test_lora_is_refused_with_the_fix() -> None:
     """Adapters are written into the layers while serving; their host copies never see it."""
     from vllm.config import LoRAConfig
 
-    served = types.SimpleNamespace(speculative_config=None, lora_config=LoRAConfig())
+    served = types.SimpleNamespace(
+        speculative_config=None, lora_config=LoRAConfig(), model_config=None
+    )
     with pytest.raises(ValueError, match=r"LoRA.*drop --enable-lora"):
         check_features(served)
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq", "gptq_marlin"])
+def test_a_quantized_model_is_refused_with_the_fix(method: str) -> None:
+    """Packing copies each weight into a contiguous range: a layout prepared for a quantized
+    kernel would be lost. An unquantized model (``quantization`` unset) passes."""
+    served = types.SimpleNamespace(model_config=types.SimpleNamespace(quantization=method))
+    with pytest.raises(ValueError, match=rf"quantization={method}.*unquantized checkpoint"):
+        check_features(served)
+    check_features(types.SimpleNamespace(model_config=types.SimpleNamespace(quantization=None)))
 
 
 def test_vllms_cpu_kv_offloading_is_accepted() -> None:

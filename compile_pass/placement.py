@@ -75,9 +75,29 @@ def packed_parameters(layer: nn.Module) -> list[nn.Parameter]:
 def _layout(layer: nn.Module) -> tuple[list[tuple[nn.Parameter, int]], int]:
     offset, placed = 0, []
     for param in packed_parameters(layer):
+        if not _dense(param):  # gaps or overlaps: no copy keeps both its bytes and its views
+            name = next(n for n, p in layer.named_parameters() if p is param)
+            raise ValueError(
+                f"parameter {name} {tuple(param.shape)} has strides {param.stride()}, which "
+                "do not tile its elements once each: it cannot be packed with its layout; "
+                "serve this model without the plugin"
+            )
         placed.append((param, offset))
         offset += -(-param.numel() * param.element_size() // ALIGN) * ALIGN
     return placed, offset
+
+
+def _dense(param: torch.Tensor) -> bool:
+    """Whether ``param``'s strides lay its elements out once each, without gaps: contiguous
+    or a permutation of it (a transposed weight), which a packed copy can keep."""
+    expected = 1
+    for size, stride in sorted(zip(param.shape, param.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def pinned_empty(nbytes: int) -> torch.Tensor:
@@ -158,7 +178,11 @@ class WeightPlacement:
         vrange = self.arena.reserve(num_pages)
         self.arena.map(vrange, range(num_pages), pages)
         for param, offset in placed:
-            view = vrange.tensor(param.dtype, tuple(param.shape), offset)
+            # The same strides over its bytes: a layout a kernel prepared at load time (a
+            # transposed weight) survives the packing.
+            view = vrange.tensor(param.dtype, (param.numel(),), offset).as_strided(
+                tuple(param.shape), param.stride()
+            )
             view.copy_(param.data)
             param.data = view  # same Parameter object, fixed address from now on
         flat = vrange.tensor(torch.uint8, (nbytes,))

@@ -127,16 +127,16 @@ def check_features(vllm_config: Any) -> None:
     the same compilation config, so the layer pass would put the target's offload ops into
     the draft's graph, and every method changes the steps' shapes the policy prices. LoRA:
     adapters are written into the decoder layers while serving, which the layers' host
-    copies never see. Quantized weights: packing copies each weight into a contiguous VMM
-    range, which drops any layout a quantization method prepared at load time (a
-    transposed fp8 weight for CUTLASS, say); no quantized model has been run with it."""
+    copies never see. Quantized weights: no quantized model has been run with it, and a
+    method may keep weights or scales outside the layers' parameters, which the packing
+    never sees (it keeps each parameter's own strides)."""
     quantization = getattr(getattr(vllm_config, "model_config", None), "quantization", None)
     if quantization is not None:
         raise ValueError(
-            f"quantization={quantization} has not been tested with dynamic offload: packing "
-            "copies each weight into a contiguous VMM range, which drops the layouts quantized "
-            "kernels prepare at load time; serve an unquantized checkpoint, or serve without "
-            "the plugin"
+            f"quantization={quantization} has not been tested with dynamic offload: a "
+            "quantization method may keep weights or scales outside the layers' parameters, "
+            "which an offloaded layer would not carry; serve an unquantized checkpoint, or "
+            "serve without the plugin"
         )
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import fx
+from torch import fx, nn
 from torch._dynamo.utils import counters
 
 from dynoff.allocator import VmmArena
@@ -164,6 +164,29 @@ def test_unequal_layers_and_bad_levels_are_refused() -> None:
         WeightPlacement(arena, layers, max_level=1)
     with pytest.raises(ValueError, match=r"max_level=3 outside \[0, 2\]"):
         WeightPlacement(arena, [ToyLayer(64, 128) for _ in range(4)], max_level=3)
+
+
+def test_a_weight_laid_out_for_a_kernel_keeps_its_layout_when_packed() -> None:
+    """A transposed weight (the layout some kernels prepare at load time) is packed with its
+    own strides, not copied contiguous; one whose strides skip or repeat elements is
+    refused, naming it."""
+    layers = [ToyLayer(64, 128) for _ in range(4)]
+    before = []
+    for layer in layers:
+        w = layer.down_proj.weight.detach()
+        layer.down_proj.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=False)
+        before.append(w.clone())
+    placement = WeightPlacement(VmmArena("host", page_size=PAGE), layers, max_level=1)
+    for layer, pack, w in zip(layers, placement.packs, before, strict=True):
+        packed = layer.down_proj.weight
+        assert packed.stride() == (1, 64) and torch.equal(packed, w)
+        assert pack.flat.data_ptr() <= packed.data_ptr() < pack.flat.data_ptr() + pack.nbytes
+    gapped = [ToyLayer(64, 128) for _ in range(4)]
+    for layer in gapped:
+        wide = torch.zeros(64, 256)
+        layer.down_proj.weight = nn.Parameter(wide[:, ::2], requires_grad=False)
+    with pytest.raises(ValueError, match=r"down_proj.weight \(64, 128\) has strides \(256, 2\)"):
+        WeightPlacement(VmmArena("host", page_size=PAGE), gapped, max_level=1)
 
 
 def test_the_runtime_sees_every_layers_ops_only_where_the_pass_inserted_them() -> None:

@@ -96,8 +96,8 @@ def test_lora_is_refused_with_the_fix() -> None:
 
 @pytest.mark.parametrize("method", ["fp8", "awq", "gptq_marlin"])
 def test_a_quantized_model_is_refused_with_the_fix(method: str) -> None:
-    """Packing copies each weight into a contiguous range: a layout prepared for a quantized
-    kernel would be lost. An unquantized model (``quantization`` unset) passes."""
+    """Untested: a method may keep weights or scales outside the layers' parameters. An
+    unquantized model (``quantization`` unset) passes."""
     served = types.SimpleNamespace(model_config=types.SimpleNamespace(quantization=method))
     with pytest.raises(ValueError, match=rf"quantization={method}.*unquantized checkpoint"):
         check_features(served)

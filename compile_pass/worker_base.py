@@ -127,9 +127,20 @@ def check_features(vllm_config: Any) -> None:
     the same compilation config, so the layer pass would put the target's offload ops into
     the draft's graph, and every method changes the steps' shapes the policy prices. LoRA:
     adapters are written into the decoder layers while serving, which the layers' host
-    copies never see. Quantized weights: no quantized model has been run with it, and a
+    copies never see. vLLM's own weight offloading (UVA or prefetch) moves the same
+    layers' weights. Quantized weights: no quantized model has been run with it, and a
     method may keep weights or scales outside the layers' parameters, which the packing
     never sees (it keeps each parameter's own strides)."""
+    offload = getattr(vllm_config, "offload_config", None)
+    if offload is not None and (
+        offload.uva.cpu_offload_gb > 0 or offload.prefetch.offload_group_size > 0
+    ):
+        raise ValueError(
+            "vLLM's own weight offloading (--cpu-offload-gb, or --offload-group-size) moves "
+            "the same decoder layers' weights that dynamic offload packs and offloads by "
+            "level: drop those flags and let the plugin's policy choose the depth, or serve "
+            "without the plugin"
+        )
     quantization = getattr(getattr(vllm_config, "model_config", None), "quantization", None)
     if quantization is not None:
         raise ValueError(

@@ -104,6 +104,22 @@ def test_a_quantized_model_is_refused_with_the_fix(method: str) -> None:
     check_features(types.SimpleNamespace(model_config=types.SimpleNamespace(quantization=None)))
 
 
+@pytest.mark.parametrize(
+    "offload",
+    [{"uva": {"cpu_offload_gb": 8}}, {"prefetch": {"offload_group_size": 8}}],
+    ids=["uva", "prefetch"],
+)
+def test_vllms_own_weight_offloading_is_refused_with_the_fix(offload: dict) -> None:
+    """``--cpu-offload-gb`` and ``--offload-group-size`` move the layers the plugin packs.
+    vLLM's own config object; its default (no offloading) passes."""
+    from vllm.config import OffloadConfig
+
+    served = types.SimpleNamespace(offload_config=OffloadConfig(**offload))
+    with pytest.raises(ValueError, match=r"--cpu-offload-gb.*drop those flags"):
+        check_features(served)
+    check_features(types.SimpleNamespace(offload_config=OffloadConfig()))
+
+
 def test_vllms_cpu_kv_offloading_is_accepted() -> None:
     """The CPU KV tier issue: ``--kv-offloading-size`` (vLLM makes it an
     ``OffloadingConnector``) and the connector named outright both pass; the simple one,

@@ -68,12 +68,27 @@ def stock_splitting_ops(route: Route) -> list[str]:
 def dynoff_compilation_config(
     base: dict[str, Any] | None = None, route: Route | None = None
 ) -> dict[str, Any]:
-    """``base`` (a ``compilation_config`` dict) with the plugin's route added; ``route``
-    defaults to :func:`default_route` for the platform vLLM runs on."""
+    """``base`` (a ``compilation_config`` dict: the operator's own settings, e.g. capture
+    sizes) with the plugin's route added; ``route`` defaults to :func:`default_route` for
+    the platform vLLM runs on. A setting in ``base`` the route would have to overwrite is
+    refused rather than dropped: another post-grad pass, or graph partitioning against the
+    route. ``splitting_ops`` in ``base`` replace stock's, and the plugin's ops are added."""
     route = route or default_route()
     if route not in ROUTES:
         raise ValueError(f"route={route!r}: use one of {ROUTES}")
     config = dict(base or {})
+    theirs = (config.get("inductor_passes") or {}).get("post_grad_custom_post_pass")
+    if theirs not in (None, PASS_PATH, MARKER_PATH):
+        raise ValueError(
+            f"inductor_passes.post_grad_custom_post_pass={theirs!r}: the plugin's layer pass "
+            "takes Inductor's one post-grad custom pass; drop yours from the base config"
+        )
+    partition = config.get("use_inductor_graph_partition")
+    if partition is not None and bool(partition) != (route == "partition"):
+        raise ValueError(
+            f"use_inductor_graph_partition={partition} contradicts route {route!r}: leave it "
+            "out and choose the route (--route partition for Inductor's graph partitioning)"
+        )
     if route == "inductor":  # one Inductor graph: the pass post-grad, no split points
         passes = dict(config.get("inductor_passes") or {})
         passes["post_grad_custom_post_pass"] = PASS_PATH
@@ -115,10 +130,38 @@ def compile_route(compilation_config: Any) -> Route | None:
     return "split" if set(OP_NAMES) <= splitting else None
 
 
+def _logs_to_stderr() -> None:
+    """vLLM logs to stdout; the JSON printed here is read by ``-cc "$(...)"``, so importing
+    vLLM (its platform and Triton checks log at import) must not write there."""
+    import logging
+    import os
+    import sys
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # vLLM not imported yet
+    for handler in logging.getLogger("vllm").handlers:  # or it was, by an earlier import
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
 def main() -> None:
+    _logs_to_stderr()
     parser = argparse.ArgumentParser(description="Print the plugin's compilation_config JSON.")
     parser.add_argument("--route", choices=ROUTES, default=None, help="default: per platform")
-    print(json.dumps(dynoff_compilation_config(route=parser.parse_args().route)))
+    parser.add_argument(
+        "--base",
+        default=None,
+        metavar="JSON",
+        help="your own compilation_config (what you would pass to -cc), to which the "
+        "plugin's route is added, e.g. '{\"cudagraph_capture_sizes\": [1, 8, 64, 256]}'",
+    )
+    args = parser.parse_args()
+    try:
+        base = json.loads(args.base) if args.base else None
+        if base is not None and not isinstance(base, dict):
+            raise ValueError(f"--base must be a JSON object, got {type(base).__name__}")
+        print(json.dumps(dynoff_compilation_config(base, route=args.route)))
+    except ValueError as e:  # json.JSONDecodeError included
+        parser.exit(2, f"error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from vllm.config import CompilationConfig
 
-from dynoff.compile_pass.config import PASS_PATH, dynoff_compilation_config
+from dynoff.compile_pass.config import MARKER_PATH, PASS_PATH, dynoff_compilation_config
 from dynoff.compile_pass.fx_pass import LayerPrefetchPass
 from dynoff.compile_pass.worker_base import check_compile_config
 
@@ -138,3 +138,48 @@ def test_the_pass_uuid_changes_with_any_source_that_shapes_its_output(
 
     monkeypatch.setattr(inspect, "getsource", edited)
     assert LayerPrefetchPass().uuid() != before
+
+
+@pytest.mark.parametrize("route", ["partition", "split", "inductor"])
+def test_an_operators_own_settings_are_kept_and_conflicts_refused(route: str) -> None:
+    """``--base``: the operator's own compilation settings go through with the route added;
+    what the route would have to overwrite is refused with the fix, not dropped."""
+    import json
+    import subprocess
+    import sys
+
+    base = {"cudagraph_capture_sizes": [1, 8, 64], "inductor_passes": {"other": "x"}}
+    config = dynoff_compilation_config(base, route=route)
+    assert config["cudagraph_capture_sizes"] == [1, 8, 64]
+    assert config["inductor_passes"]["other"] == "x"
+    assert config["inductor_passes"]["post_grad_custom_post_pass"] in (PASS_PATH, MARKER_PATH)
+    theirs = {"inductor_passes": {"post_grad_custom_post_pass": "mine.PASS"}}
+    with pytest.raises(ValueError, match="drop yours"):
+        dynoff_compilation_config(theirs, route=route)
+    cli = [sys.executable, "-m", "dynoff.compile_pass.config", "--route", route, "--base"]
+    printed = subprocess.run([*cli, json.dumps(base)], capture_output=True, text=True, check=True)
+    assert json.loads(printed.stdout) == config
+    refused = subprocess.run([*cli, json.dumps(theirs)], capture_output=True, text=True)
+    assert refused.returncode == 2 and "drop yours" in refused.stderr
+
+
+@pytest.mark.parametrize("route", ["partition", "split", "inductor"])
+def test_the_printed_config_is_the_only_thing_on_stdout(route: str) -> None:
+    """The README's ``-cc "$(python -m dynoff.compile_pass.config)"`` reads stdout whole:
+    vLLM's import-time log lines (it logs to stdout) must go elsewhere."""
+    import json
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "dynoff.compile_pass.config", "--route", route]
+    printed = subprocess.run(cli, capture_output=True, text=True, check=True)
+    assert json.loads(printed.stdout) == dynoff_compilation_config(route=route)
+
+
+def test_partitioning_against_the_route_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="--route partition"):
+        dynoff_compilation_config({"use_inductor_graph_partition": True}, route="split")
+    with pytest.raises(ValueError, match="contradicts route 'partition'"):
+        dynoff_compilation_config({"use_inductor_graph_partition": False}, route="partition")
+    kept = dynoff_compilation_config({"use_inductor_graph_partition": True}, route="partition")
+    assert kept["use_inductor_graph_partition"] is True

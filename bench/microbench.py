@@ -1,7 +1,7 @@
 """Per-level microbenchmark inside a real vLLM engine with the plugin (dummy weights).
 
     python -m bench.microbench --model /tmp/site/models/qwen3-32b --levels 0 1 2 4 8 16 \\
-        --out $OUT/microbench_qwen3-32b_h200.json [--quantization fp8] [--profile-level 4]
+        --out $OUT/microbench_qwen3-32b_h200.json [--profile-level 4]
 
 One engine, its level steered from outside through the plugin's ``level_file``; per level:
 
@@ -397,7 +397,12 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model dir (default with --cpu: generated)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--quantization", default=None)
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        help="the checkpoint's quantization: the plugin refuses quantized checkpoints at "
+        "start-up until one has been tested",
+    )
     parser.add_argument("--route", choices=["partition", "split"], default="split")
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=32)

@@ -165,8 +165,17 @@ def plot(result: dict[str, Any], out_dir: Path, stem: str = "prefix") -> Path:
         xs = [float(r) for r in rates]
         tput = [data["rates"][r]["throughput"] for r in rates]
         spread = [(data["rates"][r]["cv"] or 0.0) * t for r, t in zip(rates, tput, strict=True)]
-        left.errorbar(xs, tput, yerr=spread, marker="o", capsize=3, label=system)
-        right.plot(xs, [data["rates"][r]["p99_ttft_ms"] / 1e3 for r in rates], marker="o")
+        # colour: with or without the CPU tier; line and marker: stock or the plugin, so a
+        # plugin that matches stock shows as a dashed line over a solid one, not as nothing
+        plugin = system.startswith("plugin")
+        style = {
+            "color": "tab:red" if system.endswith("_kvoff") else "tab:blue",
+            "linestyle": "--" if plugin else "-",
+            "marker": "x" if plugin else "o",
+            "markersize": 8 if plugin else 6,
+        }
+        left.errorbar(xs, tput, yerr=spread, capsize=3, label=system, **style)
+        right.plot(xs, [data["rates"][r]["p99_ttft_ms"] / 1e3 for r in rates], **style)
     left.set(xlabel="offered rate (req/s)", ylabel="completed (req/s)", title="throughput")
     left.set_ylim(bottom=0)  # a 0.5% gap must not fill the axis
     right.axhline(result["ttft_bound_ms"] / 1e3, color="gray", linestyle=":")

@@ -23,15 +23,20 @@ compile_cache_restore() {
 }
 
 compile_cache_keep() {
-  local dir="$VLLM_CACHE_ROOT/torch_compile_cache" max_mb="${COMPILE_CACHE_MAX_MB:-30}" mb
+  # The limit is on the compressed size, which is what travels: a Qwen3-32B server's
+  # cache was 62 MiB on disk on an H100 (2026-12-07), over the limit before compression.
+  local dir="$VLLM_CACHE_ROOT/torch_compile_cache" max_mb="${COMPILE_CACHE_MAX_MB:-30}"
+  local packed="/tmp/torch_compile_cache.tgz" mb
   [ -d "$dir" ] || return 0
-  mb=$(du -sm "$dir" | cut -f1)
+  tar -C "$VLLM_CACHE_ROOT" -czf "$packed" torch_compile_cache || { rm -f "$packed"; return 0; }
+  mb=$(( ($(stat -c %s "$packed") + 1048575) / 1048576 ))
   if [ "$mb" -gt "$max_mb" ]; then
-    echo "compile cache: ${mb} MiB, over ${max_mb} MiB: not sent back"
+    echo "compile cache: $(du -sm "$dir" | cut -f1) MiB, ${mb} MiB compressed, over ${max_mb} MiB: not sent back"
+    rm -f "$packed"
     return 0
   fi
   rm -rf "$OUT/cache" && mkdir -p "$OUT/cache"  # a later script's cache holds the earlier's
-  tar -C "$VLLM_CACHE_ROOT" -czf - torch_compile_cache \
-    | split -b 15m -d - "$OUT/cache/torch_compile_cache.tgz.part-"
-  echo "compile cache: ${mb} MiB sent back in $(ls "$OUT/cache" | wc -l) part(s) (\$OUT/cache)"
+  split -b 15m -d "$packed" "$OUT/cache/torch_compile_cache.tgz.part-"
+  rm -f "$packed"
+  echo "compile cache: ${mb} MiB compressed, sent back in $(ls "$OUT/cache" | wc -l) part(s) (\$OUT/cache)"
 }

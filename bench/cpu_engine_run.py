@@ -3,7 +3,9 @@ end-to-end tests, one engine per process).
 
     python -m bench.cpu_engine_run MODE MODEL OUT_JSON [--trace PATH] [--tp N]
 
-MODE: ``reference`` (no offloading, the plugin's CPU linear path), ``forced`` (the plugin
+MODE: ``reference`` (no offloading, the plugin's CPU linear path), ``k0`` (the plugin held at
+k = 0, the same graphs as the forced modes: the yardstick where Inductor's fusion across
+the layer boundaries makes the reference's roundings differ), ``forced`` (the plugin
 with a level schedule 0 -> 2 -> 1 -> 2 -> 0 while 6 requests decode), ``forced-wrong`` (the
 same, with the negative control :func:`bench.weights.wrong_partner`: offloaded layers are
 copied in with their partner's weights), ``live`` (the plugin's policy under a burst of 24
@@ -88,6 +90,7 @@ def main() -> None:
         "mode",
         choices=[
             "reference",
+            "k0",
             "forced",
             "forced-wrong",
             "live",
@@ -112,7 +115,7 @@ def main() -> None:
     offload: dict[str, Any] | None = None
     if args.mode != "reference":
         offload = {"host_page_size": 64 << 10, "trace_path": args.trace}
-        if args.mode in ("k0-many", "k0-prefix"):
+        if args.mode in ("k0", "k0-many", "k0-prefix"):
             offload["level_schedule"] = [[0, 0]]
         elif args.mode == "forced-prefix":  # steered between the waves (below)
             level_file.write_text("4")

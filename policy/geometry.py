@@ -154,7 +154,9 @@ def plan_capacity(
     if max_level > 0 and layer_pages < probe.pages_per_group:
         raise ValueError(
             f"one layer ({layer_pages} pages) frees less than one KV group "
-            f"({probe.pages_per_group} pages): offloading would not grow the KV cache"
+            f"({probe.pages_per_group} pages, one in each KV tensor): offloading would not "
+            "grow the KV cache; a model this small gains nothing from offloading, so serve "
+            "it without the plugin's flags"
         )
     return CapacityPlan(
         probe.group_blocks, base_groups, max_level, layer_pages, probe.pages_per_group

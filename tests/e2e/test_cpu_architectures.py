@@ -1,0 +1,57 @@
+"""Decoder families other than Llama on vLLM's real CPU engine with the plugin
+(:data:`bench.tiny_checkpoint.ARCHITECTURES`: Qwen2's attention biases, Phi-3's fused QKV
+and gate-up projections, Gemma 3's sliding-window layers beside full ones, its own norms
+and scaled embeddings). Random weights that matter, greedy sampling,
+one engine per subprocess, as in ``test_cpu_engine.py``.
+
+For each: the forced level schedule (0 -> 2 -> 1 -> 2 while 6 requests decode) is
+token-identical to the plugin held at k = 0 (the same graphs: the yardstick
+``test_cpu_engine.py`` explains), every change passes the engine's audit, the KV the forward
+reads lies in the plugin's VMM ranges; and the same schedule with each offloaded layer
+copied in with its partner's weights changes the outputs, so the comparison can see a
+wrong layer in this family.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.tiny_checkpoint import ARCHITECTURES, make_hf_checkpoint
+from tests.procs import run_checked
+
+pytestmark = pytest.mark.slow
+
+
+def run_engine(mode: str, model: Path, tmp: Path) -> dict:
+    out, trace = tmp / f"{mode}.json", tmp / f"{mode}.jsonl"
+    cmd = [sys.executable, "-m", "bench.cpu_engine_run", mode, str(model), str(out)]
+    cmd += ["--trace", str(trace)]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")  # queued before the first step
+    run_checked(cmd, tmp / f"{mode}.log", env=env)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_forced_levels_are_token_identical_on_another_family(
+    architecture: str, tmp_path: Path
+) -> None:
+    model = make_hf_checkpoint(tmp_path / architecture, architecture)
+    config = json.loads((model / "config.json").read_text())
+    assert config["architectures"] == [architecture]
+    held = run_engine("k0", model, tmp_path)
+    forced = run_engine("forced", model, tmp_path)
+    assert len(forced["outputs"]) == 6 and all(len(o) == 24 for o in forced["outputs"])
+    assert forced["outputs"] == held["outputs"]
+    trace = forced["trace"]
+    assert trace["levels_visited"] == [0, 1, 2, 1, 2]
+    assert trace["resize_failures"] == 0 and trace["audit_failures"] == 0
+    assert forced["kv_outside_vmm"] == [[]]
+    assert held["trace"]["levels_visited"] == [0]
+    wrong = run_engine("forced-wrong", model, tmp_path)
+    assert wrong["outputs"] != held["outputs"]
+    assert wrong["trace"]["audit_failures"] > 0

@@ -21,6 +21,9 @@ its rate comes from the trace arguments; points of one system at one rate are re
 
 And the issue's goals: the plugin with the CPU tier at least stock with it at every rate
 (throughput), with a CV no larger, and its max sustainable rate against twice stock's.
+``pairs`` holds, for every trace that both the plugin and stock ran (with the tier, and
+without it), the no-harm issue's ratios (plugin / stock, ``bench.no_harm.BOUNDS``) and the
+bounds they miss; ``goals.within_no_harm_bounds`` says whether every pair kept them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import read_results, save_figure, write_results
-from bench.no_harm import rate_of
+from bench.no_harm import BOUNDS, compare, rate_of
 
 TTFT_BOUND_MS = 1000.0
 
@@ -97,6 +100,7 @@ def report(paths: list[str], ttft_bound_ms: float = TTFT_BOUND_MS) -> dict[str, 
     by_system: dict[str, dict[float, list[dict[str, Any]]]] = {}
     commands = []
     seen: dict[tuple[str, str], str] = {}  # (system, trace) -> the file that ran it
+    runs: dict[tuple[str, str], dict[str, Any]] = {}
     for path in paths:
         run = read_results(path)
         rate = rate_of(run.get("point") or {})
@@ -110,6 +114,7 @@ def report(paths: list[str], ttft_bound_ms: float = TTFT_BOUND_MS) -> dict[str, 
                 "twice; a repetition needs another --seed: pass one of the two"
             )
         seen[system, trace] = str(path)
+        runs[system, trace] = run
         by_system.setdefault(system, {}).setdefault(float(rate), []).append(
             repetition(run, ttft_bound_ms)
         )
@@ -125,12 +130,39 @@ def report(paths: list[str], ttft_bound_ms: float = TTFT_BOUND_MS) -> dict[str, 
             "hit_rate_cpu": _mean([s["hit_rate_cpu"] for s in summary.values()]),
             "rates": {str(rate): s for rate, s in summary.items()},
         }
+    pairs = paired(runs)
+    out_goals = goals(systems)
+    out_goals["within_no_harm_bounds"] = all(not row["misses"] for row in pairs) if pairs else None
     return {
         "ttft_bound_ms": ttft_bound_ms,
         "systems": systems,
-        "goals": goals(systems),
+        "goals": out_goals,
+        "pairs": pairs,
         "runs": commands,
     }
+
+
+def paired(runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """The plugin against stock on each trace both ran, with the tier and without it."""
+    rows = []
+    for ours, theirs in (("plugin_kvoff", "stock_kvoff"), ("plugin", "stock")):
+        traces = sorted(
+            {t for s, t in runs if s == ours} & {t for s, t in runs if s == theirs},
+            key=lambda t: (rate_of({"trace": t}) or 0.0, t),
+        )
+        for trace in traces:
+            row = compare(runs[theirs, trace], runs[ours, trace])
+            rows.append(
+                {
+                    "systems": f"{ours} / {theirs}",
+                    "trace": trace,
+                    "rate": row["rate"],
+                    **{name: row[name] for name in BOUNDS},
+                    "misses": row["misses"],
+                    "levels_visited": row["levels_visited"],
+                }
+            )
+    return rows
 
 
 def goals(systems: dict[str, Any]) -> dict[str, Any]:
@@ -207,6 +239,10 @@ def main() -> None:
             f"{system}: max sustainable {data['max_sustainable_rps']} req/s, cv {data['cv']}, "
             f"hit rate GPU {data['hit_rate_gpu']} CPU {data['hit_rate_cpu']}"
         )
+    for row in result["pairs"]:
+        ratios = ", ".join(f"{name.removesuffix('_ratio')} {row[name]}" for name in BOUNDS)
+        misses = f"; misses {', '.join(row['misses'])}" if row["misses"] else ""
+        print(f"{row['systems']} at {row['trace']}: {ratios}{misses}")
     print(f"goals: {result['goals']}")
 
 

@@ -11,7 +11,7 @@
 # system in the files (default: SYSTEM), e.g. LABEL=plugin_kvoff.
 # SYSTEM: stock | plugin. REGIME a = gpu_memory_utilization 0.9, b = 0.62, or the fraction
 # itself (e.g. 0.85). TRACE-ARGS go to
-# bench.traces (shape first: poisson | bursty). Writes $OUT/<system>_<regime>_<workload>_<n>_<card>.json
+# bench.traces (shape first: poisson | bursty). Writes $OUT/<label>_<regime>_<workload>[_seed<S>]_<n>_<card>.json
 # per point and the server's log. The compile cache lives under /tmp/site, which survives between
 # calls on a warm machine, so a second server of the same system starts warm.
 set -uo pipefail
@@ -40,7 +40,9 @@ for spec in "$@"; do
   # shellcheck disable=SC2086  # the trace arguments are words
   python3 -m bench.traces $args --out "$trace" || exit 2
   point=$(printf '{"regime": "%s", "workload": "%s", "trace": "%s"}' "$regime" "$workload" "$args")
-  points+=(--trace "$trace" --point "$point" --out "$OUT/${label}_${regime}_${workload}_${n}_${card}.json")
+  # a trace's seed names its file: repetitions of one point in later calls do not collide
+  seed=$(sed -n 's/.*--seed \([0-9][0-9]*\).*/_seed\1/p' <<< "$args")
+  points+=(--trace "$trace" --point "$point" --out "$OUT/${label}_${regime}_${workload}${seed}_${n}_${card}.json")
   n=$((n + 1))
 done
 extra=()

@@ -104,3 +104,25 @@ def test_each_trace_both_ran_is_a_pair_with_the_no_harm_ratios(tmp_path: Path) -
     assert pair["misses"] == ["throughput_ratio", "ttft_p99_ratio"]
     assert pair["levels_visited"] == [0, 1, 0]
     assert result["goals"]["within_no_harm_bounds"] is False
+
+
+def test_the_served_fraction_takes_the_traces_spread_out_of_the_cv(tmp_path: Path) -> None:
+    """Two seeds' traces at 3 req/s over 60 s with 150 and 210 requests: a server that
+    completes all of each at their own pace has a large throughput CV (the traces') and a
+    served-fraction CV of 0; one that falls behind on the larger trace does not."""
+    records = []
+    for system, behind in (("stock", 1.0), ("plugin", 0.8)):
+        for seed, (prompts, tput) in enumerate(((150, 2.5), (210, 3.5))):
+            run = record(system, True, 3.0, seed, tput * (behind if seed else 1.0), 500.0)
+            run["client"]["num_prompts"] = prompts
+            records.append(run)
+    result = report(write_records(tmp_path, records))
+    stock = result["systems"]["stock_kvoff"]
+    plugin = result["systems"]["plugin_kvoff"]
+    assert stock["cv"] == pytest.approx(1.0 / 6.0, abs=1e-4)  # 2.5 and 3.5 about 3.0
+    assert stock["cv_served"] == 0.0 and stock["rates"]["3.0"]["served_fraction"] == 1.0
+    assert plugin["rates"]["3.0"]["served_fraction"] == pytest.approx(0.9)  # 1.0 and 0.8
+    assert plugin["cv_served"] == pytest.approx(0.1 / 0.9, abs=1e-4)
+    # by the raw CV the plugin looks steadier (2.5 and 2.8); served, it is not
+    assert result["goals"]["cv_no_larger"] is True
+    assert result["goals"]["cv_served_no_larger"] is False

@@ -121,8 +121,7 @@ def max_sustainable(rates: dict[float, dict[str, Any]]) -> float | None:
 def report(paths: list[str], ttft_bound_ms: float = TTFT_BOUND_MS) -> dict[str, Any]:
     by_system: dict[str, dict[float, list[dict[str, Any]]]] = {}
     commands = []
-    seen: dict[tuple[str, str], str] = {}  # (system, trace) -> the file that ran it
-    runs: dict[tuple[str, str], dict[str, Any]] = {}
+    seen: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}  # (system, trace) -> file, run
     for path in paths:
         run = read_results(path)
         rate = rate_of(run.get("point") or {})
@@ -132,11 +131,10 @@ def report(paths: list[str], ttft_bound_ms: float = TTFT_BOUND_MS) -> dict[str, 
         trace = str((run.get("point") or {}).get("trace"))
         if (system, trace) in seen:  # one trace twice is not two repetitions
             raise ValueError(
-                f"{path} and {seen[system, trace]}: {system} ran the same trace ({trace}) "
+                f"{path} and {seen[system, trace][0]}: {system} ran the same trace ({trace}) "
                 "twice; a repetition needs another --seed: pass one of the two"
             )
-        seen[system, trace] = str(path)
-        runs[system, trace] = run
+        seen[system, trace] = (str(path), run)
         by_system.setdefault(system, {}).setdefault(float(rate), []).append(
             repetition(run, ttft_bound_ms)
         )
@@ -144,17 +142,15 @@ def report(paths: list[str], ttft_bound_ms: float = TTFT_BOUND_MS) -> dict[str, 
     systems: dict[str, Any] = {}
     for system, rates in sorted(by_system.items()):
         summary = {rate: summarize(reps) for rate, reps in sorted(rates.items())}
-        cvs = [s["cv"] for s in summary.values() if s["cv"] is not None]
-        served_cvs = [s["cv_served"] for s in summary.values() if s["cv_served"] is not None]
         systems[system] = {
             "max_sustainable_rps": max_sustainable(summary),
-            "cv": round(statistics.fmean(cvs), 4) if cvs else None,
-            "cv_served": round(statistics.fmean(served_cvs), 4) if served_cvs else None,
+            "cv": _mean([s["cv"] for s in summary.values()]),
+            "cv_served": _mean([s["cv_served"] for s in summary.values()]),
             "hit_rate_gpu": _mean([s["hit_rate_gpu"] for s in summary.values()]),
             "hit_rate_cpu": _mean([s["hit_rate_cpu"] for s in summary.values()]),
             "rates": {str(rate): s for rate, s in summary.items()},
         }
-    pairs = paired(runs)
+    pairs = paired({key: run for key, (_, run) in seen.items()})
     out_goals = goals(systems)
     out_goals["within_no_harm_bounds"] = all(not row["misses"] for row in pairs) if pairs else None
     return {

@@ -6,8 +6,8 @@ residual stream nearly untouched). Offline, no tokenizer: prompts are token ids.
     python -m bench.tiny_checkpoint OUT_DIR --architecture Gemma3ForCausalLM
 
 ``--architecture`` writes another decoder family the same way, through its Hugging Face
-model class (:data:`ARCHITECTURES`: attention biases and tied embeddings, fused
-projections, sliding-window layers beside full ones), for the architecture tests.
+model class (:data:`ARCHITECTURES`: attention biases, fused projections, sliding-window
+layers beside full ones), for the architecture tests.
 """
 
 from __future__ import annotations

@@ -15,25 +15,14 @@ wrong layer in this family.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.tiny_checkpoint import ARCHITECTURES, make_hf_checkpoint
-from tests.procs import run_checked
+from tests.e2e.engines import run_engine
 
 pytestmark = pytest.mark.slow
-
-
-def run_engine(mode: str, model: Path, tmp: Path) -> dict:
-    out, trace = tmp / f"{mode}.json", tmp / f"{mode}.jsonl"
-    cmd = [sys.executable, "-m", "bench.cpu_engine_run", mode, str(model), str(out)]
-    cmd += ["--trace", str(trace)]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")  # queued before the first step
-    run_checked(cmd, tmp / f"{mode}.log", env=env)
-    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))

@@ -24,15 +24,13 @@ greedy sampling), one engine per subprocess.
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.tiny_checkpoint import make_checkpoint
-from tests.procs import run_checked
+from tests.e2e.engines import run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -40,20 +38,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_checkpoint(tmp_path_factory.mktemp("model") / "small-llama"))
-
-
-def run_engine(mode: str, model: str, tmp: Path, tp: int = 1) -> dict:
-    out, trace = tmp / f"{mode}-tp{tp}.json", tmp / f"{mode}-tp{tp}.jsonl"
-    cmd = [sys.executable, "-m", "bench.cpu_engine_run", mode, model, str(out), "--tp", str(tp)]
-    if mode != "reference":
-        cmd += ["--trace", str(trace)]
-    env = dict(os.environ)
-    if tp == 1 and mode != "live":  # identity: every request queued before the first step
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (the engine core in this process)
-    if tp > 1:  # vLLM's CPU engine binds each rank's threads to its own core
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, sorted(os.sched_getaffinity(0))[:tp]))
-    run_checked(cmd, tmp / f"{mode}-tp{tp}.log", env=env)
-    return json.loads(out.read_text())
 
 
 def test_forced_levels_are_token_identical_to_no_offload(model: str, tmp_path: Path) -> None:

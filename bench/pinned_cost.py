@@ -17,6 +17,11 @@ that went (``cudaMemGetInfo``) per GiB pinned:
   allocation's granularity, not 4 KiB. It does not: 2.0 MiB per GiB on the H100, as
   ``cudaHostRegister`` (``bench/results/pinned_cost_h100.json``).
 
+Pinning late (a layer's home locked only when a level first offloads it) would spare the
+page tables of the levels never used; what it would cost is in ``register_ms_per_gib`` (one
+``cudaHostRegister`` of already-written memory) and ``device_mib_after_release`` (the
+device memory still gone once the way's memory is unpinned and freed).
+
 With each way's device cost goes the H2D copy speed of one 1 GiB chunk (``cuMemcpy`` into
 a device tensor, the best of three): a home that costs nothing but copies slower is no home.
 A way the driver refuses is reported with its error, not dropped.
@@ -43,8 +48,13 @@ def _free() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+REGISTER_S: list[float] = []  # each cudaHostRegister's wall time, this way's
+
+
 def _register(ptr: int, nbytes: int) -> None:
+    start = time.perf_counter()
     rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    REGISTER_S.append(time.perf_counter() - start)
     if int(rc) != 0:
         raise RuntimeError(f"cudaHostRegister failed ({rc})")
 
@@ -232,6 +242,7 @@ def measure(name: str, chunks: int) -> dict[str, Any]:
     torch.cuda.init()
     torch.cuda.current_device()
     before = _free()
+    REGISTER_S.clear()
     try:
         held = globals()[name](chunks)
     except Exception as e:  # a way the driver refuses is a finding, not a crash
@@ -249,10 +260,18 @@ def measure(name: str, chunks: int) -> dict[str, Any]:
         for ptr, _ in held:
             torch.cuda.cudart().cudaHostUnregister(ptr)
     del held
+    torch.cuda.empty_cache()  # the copy's device tensor
+    kept = before - _free()  # what unpinning did not give back
     return {
         "gib_pinned": chunks,
         "device_mib": round(used / 2**20, 2),
         "mib_per_gib": round(used / 2**20 / chunks, 3),
+        "device_mib_after_release": round(kept / 2**20, 2),
+        **(
+            {"register_ms_per_gib": round(sum(REGISTER_S) / len(REGISTER_S) * 1e3, 2)}
+            if REGISTER_S
+            else {}
+        ),
         **speed,
     }
 

@@ -162,6 +162,8 @@ def calibrate(
     """Measure this machine (see the module docstring). ``run_decode`` is None where there
     are no CUDA graphs (vLLM's CPU engine): there is no piecewise penalty to measure."""
     engine = levels.engine
+    if plan.max_level > 0:  # the link is measured from level 1's homes, page-locked
+        levels.placement.lock_level(1)
     bandwidth = (
         link(engine.sources, engine.destinations, engine.copy_bytes) if engine.sources else 0.0
     )

@@ -147,6 +147,18 @@ class LevelChanger:
         start = time.perf_counter()
         before = self.placement.arena.stats().calls
         try:
+            if command.target_level == self.level + 1:
+                # A level's homes are page-locked on its first entry (``pin_homes``
+                # "first_raise"), while the queued step still runs.
+                self.placement.lock_level(command.target_level)
+                if self.placement.last_lock_ms:
+                    logger.info(
+                        "dynamic offload: level %d's homes page-locked on rank %d (%.1f ms, "
+                        "its first entry)",
+                        command.target_level,
+                        self.rank,
+                        self.placement.last_lock_ms,
+                    )
             self.device_sync()  # no queued step may touch pages we unmap
             self.engine.synchronize()
             synced = time.perf_counter()

@@ -23,6 +23,13 @@ torch-reserved plus VMM bytes over the packing is kept in ``peak_bytes``.
 Every offloadable layer keeps a pinned CPU copy (2 layers per level: the seed's "two bytes
 of pinned memory per byte reclaimed"), pinned with ``cudaHostRegister`` so host memory is
 the weight bytes, not a power-of-two rounding of them.
+
+Page-locked host memory is not free on the GPU: the driver maps it into the device's address
+space, 2 MiB of page tables in device memory per GiB (``bench/pinned_cost.py``), which
+vLLM's profile counts against the KV cache (0.15 GiB for Qwen3-32B's 58 GiB of homes, 0.85%
+of the KV at 0.95 on an H100). ``pin_homes="first_raise"`` copies the homes into pageable
+memory and page-locks a level's two homes when that level is first entered
+(:meth:`WeightPlacement.lock_level`); the levels never used cost no device memory.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from torch import nn
 
 from dynoff.allocator import ZERO_PAGE, VmmArena, VmmRange
 from dynoff.compile_pass.pairing import half, pair_index
+from dynoff.policy.config import PIN_HOMES
 
 ALIGN = 256  # bytes; every parameter view starts on a 256-byte boundary
 
@@ -100,35 +108,60 @@ def _dense(param: torch.Tensor) -> bool:
     return True
 
 
-def pinned_empty(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of host memory, page-locked with ``cudaHostRegister`` (the exact bytes: the
-    caching host allocator would round a 0.98 GB layer up to 1 GiB) and unregistered when
-    the memory is freed. The pages are faulted in by ATen's intra-op threads (``zero_``)
-    before they are locked, not by the driver on one thread. CPU-only runs skip the lock.
+# The NumPy buffer behind each host_empty tensor, by address: lock_host ties the memory's
+# unregistration to it. Weak: the entry goes with the buffer.
+_OWNERS: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+
+def host_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of pageable host memory, faulted in by ATen's intra-op threads (``zero_``)
+    rather than later by the driver on one thread; :func:`lock_host` page-locks it."""
+    owner = np.empty(nbytes, dtype=np.uint8)
+    tensor = torch.from_numpy(owner)
+    tensor.zero_()
+    _OWNERS[tensor.data_ptr()] = owner
+    return tensor
+
+
+def lock_host(tensor: torch.Tensor) -> bool:
+    """Page-lock :func:`host_empty`'s memory in place with ``cudaHostRegister`` (the exact
+    bytes: the caching host allocator would round a 0.98 GB layer up to 1 GiB), unregistered
+    when the memory is freed. Returns whether it locked: CPU-only runs and device tensors
+    (the emulated link's homes) have nothing to lock.
 
     The registration must end before the memory does: a freed range that stays registered
     keeps its mapping in the GPU's address space, and the next ``cudaMalloc`` the driver
     places at that address fails with "resource already mapped". The tensor owns a NumPy
     buffer (``torch.from_numpy``); the buffer's finalizer unregisters it as its last view
     goes, before NumPy frees it."""
-    owner = np.empty(nbytes, dtype=np.uint8)
-    tensor = torch.from_numpy(owner)
-    tensor.zero_()
-    if torch.cuda.is_available():
-        cudart, ptr = torch.cuda.cudart(), tensor.data_ptr()
-        rc = cudart.cudaHostRegister(ptr, nbytes, 0)
-        if int(rc) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({rc})")
-        # Not at interpreter exit: the CUDA context may be gone, and so is the process.
-        weakref.finalize(owner, cudart.cudaHostUnregister, ptr).atexit = False
+    if tensor.device.type != "cpu" or not torch.cuda.is_available():
+        return False
+    owner = _OWNERS.get(tensor.data_ptr())
+    if owner is None or owner.nbytes != tensor.numel() * tensor.element_size():
+        raise ValueError("lock_host locks the whole of a host_empty tensor, and this is not one")
+    cudart, ptr = torch.cuda.cudart(), tensor.data_ptr()
+    rc = cudart.cudaHostRegister(ptr, owner.nbytes, 0)
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister of {owner.nbytes} bytes failed ({rc})")
+    # Not at interpreter exit: the CUDA context may be gone, and so is the process.
+    weakref.finalize(owner, cudart.cudaHostUnregister, ptr).atexit = False
+    return True
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory (:func:`host_empty`, :func:`lock_host`)."""
+    tensor = host_empty(nbytes)
+    lock_host(tensor)
     return tensor
 
 
-def host_copy(flat: torch.Tensor) -> torch.Tensor:
-    """A page-locked host copy of ``flat`` (:func:`pinned_empty`): the device-to-host copy
-    runs as DMA into pinned memory instead of through the driver's pageable staging (0.98
-    GB layers, up to 64 of them for Qwen3-32B). ``flat``: a layer's packed bytes."""
-    cpu = pinned_empty(flat.numel())
+def host_copy(flat: torch.Tensor, lock: bool = True) -> torch.Tensor:
+    """A host copy of ``flat`` (a layer's packed bytes: 0.98 GB layers, up to 64 of them for
+    Qwen3-32B), page-locked first unless ``lock`` is False: then the device-to-host copy goes
+    through the driver's pageable staging, slower, once at start-up."""
+    cpu = host_empty(flat.numel())
+    if lock:
+        lock_host(cpu)
     cpu.copy_(flat.detach())
     return cpu
 
@@ -136,7 +169,15 @@ def host_copy(flat: torch.Tensor) -> torch.Tensor:
 class WeightPlacement:
     """Packs ``layers`` into VMM ranges of ``arena`` and changes the depth by remapping."""
 
-    def __init__(self, arena: VmmArena, layers: Sequence[nn.Module], max_level: int) -> None:
+    def __init__(
+        self,
+        arena: VmmArena,
+        layers: Sequence[nn.Module],
+        max_level: int,
+        pin_homes: str = "start",
+    ) -> None:
+        if pin_homes not in PIN_HOMES:
+            raise ValueError(f"pin_homes={pin_homes!r}: use one of {PIN_HOMES}")
         self.arena = arena
         self.num_layers = len(layers)
         if not 0 <= max_level <= half(self.num_layers):
@@ -156,10 +197,15 @@ class WeightPlacement:
         self.last_copy_ms = 0.0  # time the last lower_level spent restoring layers
         self.peak_bytes = 0  # torch-reserved + VMM bytes at their highest while packing (CUDA)
         self.packs = [self._pack(i, layer) for i, layer in enumerate(layers)]
+        at_start = pin_homes == "start"
         for pack in self.packs:
             i = pair_index(pack.index, self.num_layers)
             if i is not None and i < max_level:
-                pack.cpu = host_copy(pack.flat)
+                pack.cpu = host_copy(pack.flat, lock=at_start)
+        # The levels whose two homes are page-locked (1..locked_levels), and the time the
+        # last lock_level spent locking.
+        self.locked_levels = max_level if at_start else 0
+        self.last_lock_ms = 0.0
 
     @property
     def layer_bytes(self) -> int:
@@ -195,10 +241,27 @@ class WeightPlacement:
     def offloadable(self) -> dict[int, LayerPack]:
         return {p.index: p for p in self.packs if p.cpu is not None}
 
+    def lock_level(self, level: int) -> None:
+        """Page-lock the homes of levels up to ``level`` (two layers a level: ``level - 1``
+        and its partner), those not locked yet; before a level's first copy, so that its
+        prefetches run as DMA, asynchronously. A failure leaves the levels below locked and
+        nothing else changed."""
+        start = time.perf_counter()
+        self.last_lock_ms = 0.0
+        while self.locked_levels < min(level, self.max_level):
+            i = self.locked_levels
+            for layer in (i, i + half(self.num_layers)):
+                home = self.packs[layer].cpu
+                if home is not None and not (home.device.type == "cpu" and home.is_pinned()):
+                    lock_host(home)
+            self.locked_levels += 1
+        self.last_lock_ms = (time.perf_counter() - start) * 1e3
+
     def raise_level(self) -> list[int]:
         """k -> k+1. Returns the pool pages freed (now free in the arena's pool)."""
         if self.level >= self.max_level:
             raise ValueError(f"already at max_level={self.max_level}")
+        self.lock_level(self.level + 1)  # before anything changes: a failure leaves k
         displaced = self._share(self.level + half(self.num_layers))
         self.level += 1
         return displaced

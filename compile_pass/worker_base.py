@@ -293,7 +293,7 @@ class DynamicOffloadMixin:
         cuda = not current_platform.is_cpu()
         torch_before = torch.cuda.memory_allocated() if cuda else 0
         started = time.perf_counter()
-        placement = WeightPlacement(arena, layers, max_level)
+        placement = WeightPlacement(arena, layers, max_level, pin_homes=config.pin_homes)
         placed_s = time.perf_counter() - started
         if cuda:
             moved = max(0, torch_before - torch.cuda.memory_allocated())
@@ -316,12 +316,13 @@ class DynamicOffloadMixin:
         runtime.install(rt)
         logger.info(
             "dynamic offload: %d decoder layers of %.1f MiB packed into VMM (%s backend), "
-            "max level %d, %d layers pinned on the host (%.1f s%s)",
+            "max level %d, %d layers' homes on the host, page-locked %s (%.1f s%s)",
             len(layers),
             placement.layer_bytes / 2**20,
             arena.backend,
             max_level,
             len(packs),
+            "now" if config.pin_homes == "start" else "as each level is first entered",
             placed_s,
             f"; GPU memory peaked at {placement.peak_bytes / 2**30:.1f} GiB while packing"
             if placement.peak_bytes

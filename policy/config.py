@@ -10,6 +10,7 @@ from typing import Any, Literal
 from dynoff.policy.geometry import GRANULE
 
 HOMES = ("host", "device")  # dynoff.compile_pass.homes
+PIN_HOMES = ("start", "first_raise")  # dynoff.compile_pass.placement
 
 Estimator = Literal["measured", "model"]
 Proxy = Literal["decode", "model"]
@@ -348,6 +349,13 @@ class DynamicOffloadConfig:
             since the homes (two layers a level) must fit beyond the budget.
         home_GBps: pace every copy from a ``"device"`` home to this bandwidth (the emulated
             link: 390 for a GH200's NVLink-C2C); unset, the copies run at device speed.
+        pin_homes: when the offloadable layers' host copies are page-locked. ``"start"``
+            (default): all of them at start-up. ``"first_raise"``: each level's two when
+            that level is first entered (level 1's at the start-up calibration): page-locked
+            memory costs 2 MiB of device memory per GiB in the driver's page tables, which
+            vLLM's profile takes from the KV cache at start-up (0.15 GiB for Qwen3-32B's 58
+            GiB), so the levels never used cost none; the first entry into a level waits
+            for its lock (logged), and its page tables come from beyond the budget then.
         audit_changes: debug: around every level change, check on the device that the KV
             groups mapped before and after keep their bytes and every resident layer holds
             its own weights (:class:`~dynoff.compile_pass.levels.ChangeAudit`; ~20 ms a
@@ -367,6 +375,7 @@ class DynamicOffloadConfig:
     measure_transfers: bool = False
     home: str = "host"
     home_GBps: float | None = None
+    pin_homes: str = "start"
     audit_changes: bool = False
 
     KEY = "dynamic_offload"
@@ -388,6 +397,8 @@ class DynamicOffloadConfig:
             raise ValueError(f"kv_layout={self.kv_layout!r}: use one of {KV_LAYOUTS}")
         if self.home not in HOMES:
             raise ValueError(f"home={self.home!r}: use one of {HOMES}")
+        if self.pin_homes not in PIN_HOMES:
+            raise ValueError(f"pin_homes={self.pin_homes!r}: use one of {PIN_HOMES}")
         if self.home_GBps is not None and (self.home != "device" or self.home_GBps <= 0):
             raise ValueError(
                 f"home_GBps={self.home_GBps} paces the device home (the fast-link emulation): "

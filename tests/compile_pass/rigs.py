@@ -20,7 +20,7 @@ PAGE = 64 << 10
 
 
 def host_level_changer(
-    rank: int = 0, model: ToyDecoder | None = None, max_level: int = 2
+    rank: int = 0, model: ToyDecoder | None = None, max_level: int = 2, pin_homes: str = "start"
 ) -> LevelChanger:
     """Rank ``rank``'s level changer over ``model`` (by default a seeded toy decoder). A
     level frees 3 pages and its tier of one-page groups takes 2."""
@@ -28,7 +28,7 @@ def host_level_changer(
         torch.manual_seed(0)
         model = ToyDecoder(N).requires_grad_(False)
     arena = VmmArena("host", page_size=PAGE)
-    placement = WeightPlacement(arena, model.layers, max_level=max_level)
+    placement = WeightPlacement(arena, model.layers, max_level=max_level, pin_homes=pin_homes)
     engine = PrefetchEngine.for_placement(placement)
     runtime = OffloadRuntime(N, engine)
     kv = VmmKVCache(arena, kv_config(64, 1, PAGE), group_blocks=1, active_groups=8)

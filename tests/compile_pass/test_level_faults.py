@@ -104,3 +104,32 @@ def test_a_restore_that_cannot_be_undone_stops_the_rank(monkeypatch) -> None:
     with pytest.raises(TornChangeError, match="could not share layer 0's region again"):
         levels.apply(DOWN)
     arena._inject_failure(-1)
+
+
+def test_a_home_that_cannot_be_page_locked_fails_the_raise_before_anything_moves(
+    monkeypatch,
+) -> None:
+    # pin_homes "first_raise": the first entry into a level page-locks its two homes. The
+    # driver refusing the second (cudaHostRegister: locked-memory limits, page-table
+    # memory) cannot be had on demand, so it is injected: the rank reports the failure,
+    # keeps level 0 as it was, and the raise succeeds once the lock does.
+    import dynoff.compile_pass.placement as placement_module
+
+    levels = host_level_changer(pin_homes="first_raise")
+    before = snapshot(levels)
+    calls = []
+
+    def refuse_the_second(tensor: torch.Tensor) -> bool:
+        calls.append(tensor.data_ptr())
+        if len(calls) == 2:
+            raise RuntimeError("cudaHostRegister of 98304 bytes failed (2)")
+        return True
+
+    monkeypatch.setattr(placement_module, "lock_host", refuse_the_second)
+    outcome = levels.apply(UP)
+    assert not outcome.ok and "cudaHostRegister" in outcome.error
+    assert snapshot(levels) == before and weights_intact(levels)
+    assert levels.placement.locked_levels == 0
+    monkeypatch.undo()
+    assert levels.apply(UP).ok and levels.level == 1
+    assert levels.placement.locked_levels == 1

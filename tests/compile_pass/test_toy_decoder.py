@@ -37,13 +37,15 @@ class RecordingPass(LayerPrefetchPass):
 class Offloaded:
     """Toy model + placement + engine + runtime, compiled once."""
 
-    def __init__(self, copies: bool = True) -> None:
+    def __init__(self, copies: bool = True, pin_homes: str = "start") -> None:
         torch.manual_seed(0)
         self.model = ToyDecoder(N).requires_grad_(False)
         self.x = torch.randn(1, 6, 64)
         self.reference = self.model(self.x)
         self.arena = VmmArena("host", page_size=PAGE)
-        self.placement = WeightPlacement(self.arena, self.model.layers, max_level=N // 2)
+        self.placement = WeightPlacement(
+            self.arena, self.model.layers, max_level=N // 2, pin_homes=pin_homes
+        )
         self.engine = PrefetchEngine.for_placement(self.placement)
         if not copies:
             self.engine.prefetch = lambda layer: None  # type: ignore[method-assign]
@@ -122,6 +124,29 @@ def test_output_equals_eager_at_every_level_without_recompiling(offloaded: Offlo
     assert offloaded.engine.copies > 0
 
 
+def test_homes_locked_on_first_entry_serve_every_level_alike() -> None:
+    # pin_homes "first_raise": the homes are pageable copies until a level is first entered
+    # (page-locking itself is a no-op without CUDA; the GPU test sees the device memory).
+    rig = Offloaded(pin_homes="first_raise")
+    try:
+        placement = rig.placement
+        assert placement.locked_levels == 0
+        for pack in placement.offloadable().values():
+            assert torch.equal(pack.cpu, pack.flat)  # copied at start-up all the same
+        seen = []
+        for level in [1, 2, 1, 0, 3, 4, 0]:
+            rig.set_level(level)
+            seen.append(placement.locked_levels)
+            out = rig.compiled(rig.x)
+            torch.testing.assert_close(rig.compiled(rig.x), out)
+            torch.testing.assert_close(out, rig.reference, msg=f"level {level}")
+        assert seen == [1, 2, 2, 2, 3, 4, 4]  # locked once, on the way up, never unlocked
+        placement.lock_level(N)  # beyond max_level: up to it
+        assert placement.locked_levels == N // 2
+    finally:
+        rig.close()
+
+
 def test_aliasing_carries_the_real_data(offloaded: Offloaded) -> None:
     placement = offloaded.placement
     free_before = offloaded.arena.stats().pages_free
@@ -158,6 +183,8 @@ def test_host_copies_hold_each_layers_bytes(offloaded: Offloaded) -> None:
 
 
 def test_unequal_layers_and_bad_levels_are_refused() -> None:
+    with pytest.raises(ValueError, match="pin_homes='later': use one of"):
+        WeightPlacement(VmmArena("host", page_size=PAGE), ToyDecoder(N).layers, 1, "later")
     arena = VmmArena("host", page_size=PAGE)
     layers = [ToyLayer(64, 128), ToyLayer(64, 128), ToyLayer(64, 256), ToyLayer(64, 128)]
     with pytest.raises(UnequalLayersError, match="differ in parameters"):

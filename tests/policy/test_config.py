@@ -150,6 +150,12 @@ def test_plugin_config_parses_and_refuses_unknown_keys() -> None:
         DynamicOffloadConfig.from_dict({"kv_layout": "interleaved"})
     assert DynamicOffloadConfig.from_dict({"kv_layout": "packed"}).kv_layout == "packed"
     assert DynamicOffloadConfig().kv_layout == "auto"  # packed where it applies
+    with pytest.raises(
+        ValueError, match=r"pin_homes='lazy': use one of \('start', 'first_raise'\)"
+    ):
+        DynamicOffloadConfig.from_dict({"pin_homes": "lazy"})
+    assert DynamicOffloadConfig.from_dict({"pin_homes": "first_raise"}).pin_homes == "first_raise"
+    assert DynamicOffloadConfig().pin_homes == "start"
 
 
 def test_messages_survive_pickling() -> None:

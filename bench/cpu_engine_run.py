@@ -104,6 +104,13 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--trace", default=None)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument(
+        "--pin-homes",
+        choices=["start", "first_raise"],
+        default="start",
+        help="the plugin's pin_homes: page-lock the homes at start-up or at each level's first "
+        "entry",
+    )
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -114,7 +121,11 @@ def main() -> None:
     level_file = Path(args.out).with_suffix(".level")
     offload: dict[str, Any] | None = None
     if args.mode != "reference":
-        offload = {"host_page_size": 64 << 10, "trace_path": args.trace}
+        offload = {
+            "host_page_size": 64 << 10,
+            "trace_path": args.trace,
+            "pin_homes": args.pin_homes,
+        }
         if args.mode in ("k0", "k0-many", "k0-prefix"):
             offload["level_schedule"] = [[0, 0]]
         elif args.mode == "forced-prefix":  # steered between the waves (below)

@@ -11,11 +11,13 @@ from pathlib import Path
 from tests.procs import run_checked
 
 
-def run_engine(mode: str, model: str | Path, tmp: Path, tp: int = 1) -> dict:
+def run_engine(
+    mode: str, model: str | Path, tmp: Path, tp: int = 1, pin_homes: str = "start"
+) -> dict:
     """Run ``bench.cpu_engine_run MODE MODEL`` in ``tmp`` and return its JSON output."""
     out, trace = tmp / f"{mode}-tp{tp}.json", tmp / f"{mode}-tp{tp}.jsonl"
     cmd = [sys.executable, "-m", "bench.cpu_engine_run", mode, str(model), str(out)]
-    cmd += ["--tp", str(tp)]
+    cmd += ["--tp", str(tp), "--pin-homes", pin_homes]
     if mode != "reference":
         cmd += ["--trace", str(trace)]
     env = dict(os.environ)

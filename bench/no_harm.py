@@ -61,6 +61,18 @@ def point_order(row: dict[str, Any]) -> tuple[str, str, float, str]:
     return (str(row.get("regime")), str(row.get("workload")), number, str(rate))
 
 
+def kv_blocks_at_level_0(run: dict[str, Any]) -> int | None:
+    """The KV blocks a run's server serves with at level 0: stock's whole cache
+    (``server_kv_blocks``), the plugin's level-0 capacity (its trace). None where the run
+    did not record it (runs before 2026-12-07)."""
+    if run.get("system") == "plugin":
+        by_level = run.get("plugin", {}).get("capacity_blocks_by_level") or {}
+        blocks = by_level.get("0", by_level.get(0))
+        return int(blocks) if blocks is not None else None
+    blocks = run.get("server_kv_blocks")
+    return int(blocks) if blocks is not None else None
+
+
 def compare(stock: dict[str, Any], plugin: dict[str, Any]) -> dict[str, Any]:
     """One point's ratios (plugin / stock) and the bounds they miss."""
     row: dict[str, Any] = dict(plugin["point"])
@@ -76,6 +88,12 @@ def compare(stock: dict[str, Any], plugin: dict[str, Any]) -> dict[str, Any]:
     uuids = {run.get("machine", {}).get("gpu_uuid") for run in (stock, plugin)}
     row["same_gpu"] = None if None in uuids else len(uuids) == 1  # None: not recorded
     row["levels_visited"] = plugin.get("plugin", {}).get("levels_visited")
+    # Not bounded, but what a level-0 latency ratio may come from: the plugin's own KV at
+    # level 0 against stock's (the page tables of its pinned homes come out of it).
+    stock_blocks, plugin_blocks = kv_blocks_at_level_0(stock), kv_blocks_at_level_0(plugin)
+    if stock_blocks and plugin_blocks is not None:
+        row["kv_blocks_level_0"] = {"stock": stock_blocks, "plugin": plugin_blocks}
+        row["kv_blocks_ratio"] = round(plugin_blocks / stock_blocks, 4)
     for system, run in (("stock", stock), ("plugin", plugin)):  # did the point bind KV?
         peak = run.get("server_metrics", {}).get("peak")
         if peak:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import re
 import signal
 import socket
 import statistics
@@ -201,6 +202,17 @@ def read_metrics(port: int) -> dict[str, float]:
     return values
 
 
+def server_kv_blocks(port: int) -> int | None:
+    """The KV blocks the server allocated (``num_gpu_blocks`` of vLLM's
+    ``vllm:cache_config_info``): stock's whole KV cache; the plugin's pool for its top level,
+    of which its trace's ``capacity_blocks_by_level`` says how many each level uses."""
+    for line in metric_samples(port):
+        if line.startswith("vllm:cache_config_info{"):
+            found = re.search(r'num_gpu_blocks="(\d+)"', line)
+            return int(found.group(1)) if found else None
+    return None
+
+
 class MetricsSampler(threading.Thread):
     """Samples the server's queue, batch and KV usage every ``period_s`` while the client
     runs: whether a point filled the cache and made requests wait, for stock and plugin
@@ -364,6 +376,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         wait_ready(server, port, log, args.ready_timeout_s)
         startup_s = time.monotonic() - started
         print(f"[serve_bench] {args.system} ready in {startup_s:.0f} s")
+        kv_blocks = server_kv_blocks(port)
         cases = zip(args.trace, args.point, args.out, strict=True)
         for index, (requests, point, out) in enumerate(cases):
             print(f"[serve_bench] point {index + 1}/{len(args.trace)}: replaying {requests}")
@@ -383,6 +396,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "server_command": server_cmd,
                 "client_command": client_cmd,
                 "startup_s": round(startup_s, 1),
+                "server_kv_blocks": kv_blocks,
                 "point_index": index,
                 "client": client_result(work / "client.json", sampler.t0),
                 "server_metrics": server_metrics,

@@ -37,6 +37,20 @@ def test_a_pair_from_two_gpus_is_flagged() -> None:
     assert compare(run("stock", None), run("plugin", "GPU-b"))["same_gpu"] is None
 
 
+def test_the_kv_each_serves_with_at_level_0_is_set_beside_the_ratios() -> None:
+    # Stock's KV from its server's cache_config_info, the plugin's level-0 capacity from its
+    # trace (a JSON round trip makes the level a string); runs that recorded neither, none.
+    stock, plugin = run("stock", "GPU-a"), run("plugin", "GPU-a")
+    assert "kv_blocks_ratio" not in compare(stock, plugin)
+    stock["server_kv_blocks"] = 3162
+    plugin["server_kv_blocks"] = 10575  # the pool for its top level, not what level 0 uses
+    plugin["plugin"] = {"capacity_blocks_by_level": {"0": 3135, "1": 3367}}
+    row = compare(stock, plugin)
+    assert row["kv_blocks_level_0"] == {"stock": 3162, "plugin": 3135}
+    assert row["kv_blocks_ratio"] == 0.9915
+    assert row["misses"] == []  # reported, not bounded
+
+
 def test_the_rate_is_read_from_the_trace_arguments() -> None:
     assert rate_of({"trace": "bursty --lull-rate 3 --burst-rate 18 --cycles 2"}) == "3/18"
     assert rate_of({"trace": "poisson --workload longprompt --rate 2 --seconds 90"}) == 2.0

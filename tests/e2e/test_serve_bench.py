@@ -70,8 +70,12 @@ def test_both_servers_serve_every_request_of_the_trace(runs: dict[str, Path]) ->
         assert peak["running"] >= 1 and 0 < peak["kv_usage"] <= 1
     plugin = json.loads(runs["plugin"].read_text())
     assert "--worker-cls" in plugin["server_command"]  # the README's flags
+    # the KV each allocated (vLLM's cache_config_info): the plugin's pool holds its top level
+    level_0 = plugin["plugin"]["capacity_blocks_by_level"]["0"]
+    assert plugin["server_kv_blocks"] > level_0 > 0
     stock = json.loads(runs["stock"].read_text())
     assert not any(a.startswith("--worker-cls") for a in stock["server_command"])
+    assert stock["server_kv_blocks"] > 0
 
 
 def test_the_plugin_calibrates_decides_and_records_every_change(runs: dict[str, Path]) -> None:

@@ -142,7 +142,11 @@ def lock_host(tensor: torch.Tensor) -> bool:
     cudart, ptr = torch.cuda.cudart(), tensor.data_ptr()
     rc = cudart.cudaHostRegister(ptr, owner.nbytes, 0)
     if int(rc) != 0:
-        raise RuntimeError(f"cudaHostRegister of {owner.nbytes} bytes failed ({rc})")
+        raise RuntimeError(
+            f"cudaHostRegister of {owner.nbytes} bytes failed ({rc}): page-locking a layer's "
+            "host copy needs lockable host memory (`ulimit -l`, the container's memory "
+            'limit); give the server more, or set "policy": {"max_level": K} lower'
+        )
     # Not at interpreter exit: the CUDA context may be gone, and so is the process.
     weakref.finalize(owner, cudart.cudaHostUnregister, ptr).atexit = False
     return True

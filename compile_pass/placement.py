@@ -250,16 +250,16 @@ class WeightPlacement:
         and its partner), those not locked yet; before a level's first copy, so that its
         prefetches run as DMA, asynchronously. A failure leaves the levels below locked and
         nothing else changed."""
-        start = time.perf_counter()
-        self.last_lock_ms = 0.0
+        start, locked = time.perf_counter(), 0
         while self.locked_levels < min(level, self.max_level):
             i = self.locked_levels
             for layer in (i, i + half(self.num_layers)):
                 home = self.packs[layer].cpu
-                if home is not None and not (home.device.type == "cpu" and home.is_pinned()):
-                    lock_host(home)
+                if home is not None and home.device.type == "cpu" and not home.is_pinned():
+                    locked += lock_host(home)
             self.locked_levels += 1
-        self.last_lock_ms = (time.perf_counter() - start) * 1e3
+        # 0 where nothing was locked (already locked, CPU-only, device homes): no log line
+        self.last_lock_ms = (time.perf_counter() - start) * 1e3 if locked else 0.0
 
     def raise_level(self) -> list[int]:
         """k -> k+1. Returns the pool pages freed (now free in the arena's pool)."""

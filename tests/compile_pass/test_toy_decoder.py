@@ -141,6 +141,7 @@ def test_homes_locked_on_first_entry_serve_every_level_alike() -> None:
             torch.testing.assert_close(rig.compiled(rig.x), out)
             torch.testing.assert_close(out, rig.reference, msg=f"level {level}")
         assert seen == [1, 2, 2, 2, 3, 4, 4]  # locked once, on the way up, never unlocked
+        assert placement.last_lock_ms == 0.0  # nothing locks without CUDA: no log line
         placement.lock_level(N)  # beyond max_level: up to it
         assert placement.locked_levels == N // 2
     finally:

@@ -42,6 +42,7 @@ from typing import Any
 
 from bench.cpu_demo import TINY_POLICY, engine_kwargs, generate, prompts
 from bench.weights import EXTENSION
+from dynoff.policy.config import PIN_HOMES
 from dynoff.policy.trace import summarize_trace
 
 FORCED_LEVELS = [[0, 0], [3, 2], [12, 1], [20, 2], [40, 0]]
@@ -106,7 +107,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument(
         "--pin-homes",
-        choices=["start", "first_raise"],
+        choices=PIN_HOMES,
         default="start",
         help="the plugin's pin_homes: page-lock the homes at start-up or at each level's first "
         "entry",

@@ -164,7 +164,8 @@ def report(paths: list[str], ttft_bound_ms: float = TTFT_BOUND_MS) -> dict[str, 
 
 def paired(runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
     """The plugin against stock on each trace both ran, with the tier and without it."""
-    rows = []
+    rows: list[dict[str, Any]] = []
+    kv = ("kv_blocks_level_0", "kv_blocks_ratio")  # unbounded, where the runs recorded them
     for ours, theirs in (("plugin_kvoff", "stock_kvoff"), ("plugin", "stock")):
         traces = sorted(
             {t for s, t in runs if s == ours} & {t for s, t in runs if s == theirs},
@@ -180,6 +181,7 @@ def paired(runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
                     **{name: row[name] for name in BOUNDS},
                     "misses": row["misses"],
                     "levels_visited": row["levels_visited"],
+                    **{key: row[key] for key in kv if key in row},
                 }
             )
     return rows

@@ -94,7 +94,8 @@ def test_each_trace_both_ran_is_a_pair_with_the_no_harm_ratios(tmp_path: Path) -
     stock = record("stock", True, 5.0, 1, 4.0, 3000.0)
     plugin = record("plugin", True, 5.0, 1, 3.9, 3600.0)  # 0.975x throughput, 1.2x TTFT
     plugin["client"]["median_tpot_ms"] = 30.3  # 1.01x: within its bound
-    plugin["plugin"] = {"levels_visited": [0, 1, 0]}
+    plugin["plugin"] = {"levels_visited": [0, 1, 0], "capacity_blocks_by_level": {"0": 3135}}
+    stock["server_kv_blocks"] = 3162  # each system's KV at level 0 rides along, unbounded
     alone = record("plugin", True, 3.0, 0, 2.5, 900.0)
     result = report(write_records(tmp_path, [stock, plugin, alone]))
     (pair,) = result["pairs"]
@@ -103,6 +104,8 @@ def test_each_trace_both_ran_is_a_pair_with_the_no_harm_ratios(tmp_path: Path) -
     assert pair["tpot_p50_ratio"] == 1.01 and pair["e2e_mean_ratio"] == 1.0
     assert pair["misses"] == ["throughput_ratio", "ttft_p99_ratio"]
     assert pair["levels_visited"] == [0, 1, 0]
+    assert pair["kv_blocks_level_0"] == {"stock": 3162, "plugin": 3135}
+    assert pair["kv_blocks_ratio"] == 0.9915
     assert result["goals"]["within_no_harm_bounds"] is False
 
 

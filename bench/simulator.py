@@ -275,6 +275,26 @@ def stock_kv_blocks(machine: Machine, model: ServedModel, tp: int, utilization: 
     return int(free // block)
 
 
+# Page-locked host memory costs device memory: the driver's page tables for it, 2 MiB per GiB
+# with 4 KiB host pages (``bench.pinned_cost``'s ``register_4k`` on the H100 and the H200,
+# ``bench/results/pinned_cost_h{100,200}.json``), taken by vLLM's profile from the KV cache
+# when the homes are locked before it (``pin_homes: "start"``, the default).
+PAGE_TABLE_BYTES_PER_GIB = 2 * 2**20
+
+
+def homes_device_bytes(config: dict[str, Any], max_level: int, layer_bytes: int) -> int:
+    """The device memory the plugin holds before vLLM's profile beyond stock's: the arena's
+    zero page, and the page tables of the homes page-locked at start-up (two layers a level
+    up to ``max_level``; none where the homes are on the device or are locked at first use)."""
+    from dynoff.policy.geometry import GRANULE
+
+    zero_page = GRANULE
+    if config.get("home", "host") != "host" or config.get("pin_homes", "start") != "start":
+        return zero_page
+    pinned = 2 * max_level * layer_bytes
+    return zero_page + -(-pinned * PAGE_TABLE_BYTES_PER_GIB // 2**30)
+
+
 def build_scheduler(args: argparse.Namespace, model: StepModel) -> Any:
     """vLLM's scheduler for ``args.system`` over the KV cache a worker would size."""
     import torch
@@ -320,15 +340,20 @@ def build_scheduler(args: argparse.Namespace, model: StepModel) -> Any:
     extra: dict[str, Any] = {}
     num_blocks = args.kv_blocks
     if args.system == "plugin":
+        config = json.loads(args.plugin_config)
+        # vLLM profiles the plugin's KV after its homes are made: what they hold on the
+        # device beyond stock's is not KV (a few blocks: 27 of 3,162 for Qwen3-32B at 0.95
+        # on an H100, where the served plugin had 3,135 at level 0).
+        held = homes_device_bytes(config, args.max_level, model.layer_bytes)
+        block_bytes = spec.page_size_bytes * model.num_layers
         plan = plan_capacity(
             (spec.page_size_bytes,) * model.num_layers,
-            args.kv_blocks,
+            args.kv_blocks - -(-held // block_bytes),
             model.layer_bytes,
             args.max_level,
             GRANULE,
         )
         num_blocks = plan.num_blocks
-        config = json.loads(args.plugin_config)
         config.setdefault("policy", {}).setdefault("max_level", args.max_level)
         config.setdefault("host_page_size", GRANULE)
         config.setdefault("layer_bytes", model.layer_bytes)  # fp8 layers are not bf16's
@@ -613,6 +638,9 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
     summary["host_ms_per_step"] = round(host_s / max(steps, 1) * 1e3, 3)
     summary["preemptions"] = sum(r.num_preemptions for r in made)
     summary["peak_kv_usage"] = round(peak_kv, 4)
+    summary["kv_blocks_level_0"] = (
+        scheduler.offload.plan.capacity_blocks(0) if args.system == "plugin" else args.kv_blocks
+    )
     summary.update(counters.as_dict())
     if tier is not None:
         summary["cpu_tier"] = {
@@ -1064,6 +1092,8 @@ def resolve(args: argparse.Namespace) -> None:
     served = MODELS[args.served_model]
     if args.model is None:
         args.model = str(ROOT / served.config_dir)
+    if getattr(args, "max_level", None) is None:  # the plugin's, where the host holds the homes
+        args.max_level = served.num_layers // 2
     if args.machine is None:
         if args.kv_blocks is None:
             args.kv_blocks = 6095  # stock's KV at 0.62 on the H200 (Qwen3-32B)
@@ -1110,7 +1140,13 @@ def main() -> None:
     )
     parser.add_argument("--utilization", type=float, default=0.9, help="with --machine")
     parser.add_argument("--kv-blocks", type=int, default=None, help="default: 6,095 (H200, 0.62)")
-    parser.add_argument("--max-level", type=int, default=8)
+    parser.add_argument(
+        "--max-level",
+        type=int,
+        default=None,
+        help="default: the plugin's, half the decoder layers (where the host memory holds "
+        "their homes, as on the H100 and H200 machines)",
+    )
     parser.add_argument("--link-GBps", type=float, default=None, help="default: the machine's")
     # vllm serve's defaults on a GPU of 70 GiB or more (H100, H200, GH200, GB200): vLLM's
     # EngineArgs sets 1,024 sequences and 8,192 batched tokens for the API server there.

@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument(
         "--pin-homes",
         choices=PIN_HOMES,
-        default="start",
+        default="first_raise",
         help="the plugin's pin_homes: page-lock the homes at start-up or at each level's first "
         "entry",
     )

@@ -56,6 +56,7 @@ class StepModel:
     piecewise_penalty_ms: float = 0.81
     stall_up_ms: float = 5.1
     stall_down_ms: float = 6.0
+    lock_ms: float = 0.0  # a level's first entry: its two homes page-locked (first_raise)
     # Attention reads every decoding request's KV, which the calibration's short-context
     # decode steps did not: a token of context costs its KV bytes (64 layers x K, V x 8
     # heads x 128 x 2 B = 256 KiB for Qwen3-32B) at the H200's HBM bandwidth (~4.0 TB/s).
@@ -145,6 +146,7 @@ class StepModel:
             decode_steps=tuple(rows),
             stall_up_ms=self.stall_up_ms,
             stall_down_ms=self.stall_down_ms,
+            lock_ms=self.lock_ms,
         )
 
     def cost_model(self) -> Any:
@@ -282,6 +284,22 @@ def stock_kv_blocks(machine: Machine, model: ServedModel, tp: int, utilization: 
 PAGE_TABLE_BYTES_PER_GIB = 2 * 2**20
 
 
+# ``cudaHostRegister`` of written host memory (``bench.pinned_cost``'s ``register_4k`` on an
+# H100, ``bench/results/pinned_late_h100.json``): a level's first entry waits for its two
+# homes' lock under ``pin_homes: "first_raise"``.
+LOCK_MS_PER_GIB = 63.6
+
+
+def pin_homes_of(config: dict[str, Any]) -> str | None:
+    """When the plugin page-locks its homes (``"start"``, ``"first_raise"``), or None where
+    they are on the device."""
+    from dynoff.policy.config import DynamicOffloadConfig
+
+    if config.get("home", DynamicOffloadConfig.home) != "host":
+        return None
+    return str(config.get("pin_homes", DynamicOffloadConfig.pin_homes))
+
+
 def homes_device_bytes(config: dict[str, Any], max_level: int, layer_bytes: int) -> int:
     """The device memory the plugin holds before vLLM's profile beyond stock's: the arena's
     zero page, and the page tables of the homes page-locked at start-up (two layers a level
@@ -289,7 +307,7 @@ def homes_device_bytes(config: dict[str, Any], max_level: int, layer_bytes: int)
     from dynoff.policy.geometry import GRANULE
 
     zero_page = GRANULE
-    if config.get("home", "host") != "host" or config.get("pin_homes", "start") != "start":
+    if pin_homes_of(config) != "start":
         return zero_page
     pinned = 2 * max_level * layer_bytes
     return zero_page + -(-pinned * PAGE_TABLE_BYTES_PER_GIB // 2**30)
@@ -504,6 +522,13 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
 
     init_none_hash(sha256)
     scheduler = build_scheduler(args, model)
+    if (
+        args.system == "plugin"
+        and not model.lock_ms
+        and pin_homes_of(json.loads(args.plugin_config)) == "first_raise"
+    ):
+        model = dataclasses.replace(model, lock_ms=2 * model.layer_bytes / GIB * LOCK_MS_PER_GIB)
+    entered = 1  # the highest level entered (the calibration's level 1 is locked)
     cost = model.cost_model()
     tier = None
     if scheduler.connector is not None:
@@ -561,6 +586,9 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             up = command.target_level > level
             stall = model.stall_up_ms if up else model.stall_down_ms
             level = command.target_level
+            if level > entered:  # its homes page-locked first (first_raise), once
+                stall += model.lock_ms
+                entered = level
         # The step as the worker reads it. Attention reads the context inside every layer, so
         # it lengthens the compute that hides the copies (on the emulated link its HBM reads
         # share the copy kernel's).

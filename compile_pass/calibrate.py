@@ -162,8 +162,10 @@ def calibrate(
     """Measure this machine (see the module docstring). ``run_decode`` is None where there
     are no CUDA graphs (vLLM's CPU engine): there is no piecewise penalty to measure."""
     engine = levels.engine
+    lock_ms = 0.0
     if plan.max_level > 0:  # the link is measured from level 1's homes, page-locked
         levels.placement.lock_level(1)
+        lock_ms = levels.placement.last_lock_ms  # 0 where they were locked at start-up
     bandwidth = (
         link(engine.sources, engine.destinations, engine.copy_bytes) if engine.sources else 0.0
     )
@@ -197,6 +199,7 @@ def calibrate(
         stall_up_ms=up_ms,
         stall_down_ms=down_ms,
         driver_ms=driver_ms,
+        lock_ms=lock_ms,
     )
 
 
@@ -209,4 +212,5 @@ def describe(cal: Calibration) -> str:
         + (f" (decode ms FULL/piecewise/level 1: {steps})" if steps else " (no CUDA graphs)")
         + f"; level change 0->1 {cal.stall_up_ms:.1f} ms, 1->0 {cal.stall_down_ms:.1f} ms "
         f"({cal.driver_ms:.1f} ms in the driver)"
+        + (f"; a level's homes page-locked in {cal.lock_ms:.1f} ms" if cal.lock_ms else "")
     )

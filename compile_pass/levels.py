@@ -149,9 +149,12 @@ class LevelChanger:
         try:
             if command.target_level == self.level + 1:
                 # A level's homes are page-locked on its first entry (``pin_homes``
-                # "first_raise"), while the queued step still runs.
+                # "first_raise"), while the queued step still runs. Once in a server's
+                # life, so it is not a change's stall: the policy prices it apart
+                # (``Calibration.lock_ms``), and the change is timed from here.
                 self.placement.lock_level(command.target_level)
                 if self.placement.last_lock_ms:
+                    start = time.perf_counter()
                     logger.info(
                         "dynamic offload: level %d's homes page-locked on rank %d (%.1f ms, "
                         "its first entry)",

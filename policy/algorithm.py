@@ -264,6 +264,7 @@ class OffloadPolicy:
             return None
         horizon = max(self.config.cooldown_steps, self.episode, 1)
         stalls = (level - self.level) * self.switch.round_trip_ms(now)
+        stalls += self.switch.first_entry_ms(self.level, level)
         nxt += (stalls + self.exit_ms(level, exit_steps, admitted)) / horizon
         useful = float(blocks)
         if demand_blocks is not None:

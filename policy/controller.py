@@ -240,7 +240,7 @@ class OffloadController:
             self.h2d_GBps = cal.h2d_GBps
         if self.config.piecewise_penalty_ms is None:
             self.piecewise_penalty_ms = cal.piecewise_penalty_ms
-        self.policy.switch.calibrate(cal.stall_up_ms, cal.stall_down_ms)
+        self.policy.switch.calibrate(cal.stall_up_ms, cal.stall_down_ms, cal.lock_ms)
         if self._calibrate is not None:
             self.policy.unmeasured_margin = model_error(cal, self._calibrate)
         self.estimator.recalibrate()
@@ -252,18 +252,20 @@ class OffloadController:
             decode_steps=[list(row) for row in cal.decode_steps],
             stall_up_ms=round(cal.stall_up_ms, 2),
             stall_down_ms=round(cal.stall_down_ms, 2),
+            lock_ms=round(cal.lock_ms, 2),
             priced_h2d_GBps=round(self.h2d_GBps, 2),
             priced_piecewise_penalty_ms=round(self.piecewise_penalty_ms, 3),
             unmeasured_margin=round(self.policy.unmeasured_margin, 4),
         )
         logger.info(
             "dynamic offload: pricing levels with %.1f GB/s, a %.2f ms piecewise penalty, "
-            "%.0f/%.0f ms per change up/down; a climb into an unmeasured level must clear "
+            "%.0f/%.0f ms per change up/down%s; a climb into an unmeasured level must clear "
             "%.1f%% (the model's error on level 1 here)",
             self.h2d_GBps,
             self.piecewise_penalty_ms,
             cal.stall_up_ms,
             cal.stall_down_ms,
+            f" and {cal.lock_ms:.0f} ms a level's first entry" if cal.lock_ms else "",
             self.policy.unmeasured_margin * 100,
         )
 
@@ -458,6 +460,7 @@ class OffloadController:
             slowest = max(outcomes, key=lambda o: o.remap_ms)  # the rank everyone waited for
             direction = 1 if command.target_level > self.level else -1
             self.policy.switch.observe(direction, slowest.remap_ms)
+            self.policy.switch.entered(command.target_level)
             arrived = direction > 0 and command.target_level >= self.policy.level
             if self.audit is not None:
                 if arrived:  # the whole climb, from where it began, is audited as one

@@ -87,6 +87,9 @@ class Calibration:
             first two at level 0, the last at level 1 (what a level costs here).
         stall_up_ms / stall_down_ms: one level change 0 -> 1 / 1 -> 0 on an idle device.
         driver_ms: of those two, the time inside VMM driver calls.
+        lock_ms: page-locking one level's two homes, which a level's first entry waits for
+            under ``pin_homes: "first_raise"`` (measured on level 1's; 0 where the homes
+            were locked at start-up).
     """
 
     h2d_GBps: float
@@ -96,6 +99,7 @@ class Calibration:
     stall_up_ms: float = 0.0
     stall_down_ms: float = 0.0
     driver_ms: float = 0.0
+    lock_ms: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

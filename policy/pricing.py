@@ -40,6 +40,10 @@ class SwitchCost:
     Measured changes under load (the slowest rank's ``remap_ms``) replace the start-up
     calibration, which ran on an idle device: until then the stall is the calibrated change
     plus one step (a change waits for the step already queued on the device).
+
+    A level's first entry also waits for its homes to be page-locked (``pin_homes:
+    "first_raise"``): ``lock_ms`` a level above the highest entered so far, once in the
+    server's life (:meth:`first_entry_ms`; level 1's were locked by the calibration).
     """
 
     SMOOTHING = 0.3  # weight of the newest measured change
@@ -47,9 +51,20 @@ class SwitchCost:
     def __init__(self) -> None:
         self.calibrated = {+1: 0.0, -1: 0.0}
         self.measured: dict[int, float] = {}
+        self.lock_ms = 0.0
+        self.highest_entered = 1  # the calibration enters level 1
 
-    def calibrate(self, up_ms: float, down_ms: float) -> None:
+    def calibrate(self, up_ms: float, down_ms: float, lock_ms: float = 0.0) -> None:
         self.calibrated = {+1: up_ms, -1: down_ms}
+        self.lock_ms = lock_ms
+
+    def entered(self, level: int) -> None:
+        self.highest_entered = max(self.highest_entered, level)
+
+    def first_entry_ms(self, level: int, target: int) -> float:
+        """The locks a climb from ``level`` to ``target`` waits for: the levels on the way
+        never entered before."""
+        return self.lock_ms * max(0, target - max(level, self.highest_entered))
 
     def observe(self, direction: int, stall_ms: float) -> None:
         old = self.measured.get(direction)

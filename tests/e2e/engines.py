@@ -12,7 +12,7 @@ from tests.procs import run_checked
 
 
 def run_engine(
-    mode: str, model: str | Path, tmp: Path, tp: int = 1, pin_homes: str = "start"
+    mode: str, model: str | Path, tmp: Path, tp: int = 1, pin_homes: str = "first_raise"
 ) -> dict:
     """Run ``bench.cpu_engine_run MODE MODEL`` in ``tmp`` and return its JSON output."""
     out, trace = tmp / f"{mode}-tp{tp}.json", tmp / f"{mode}-tp{tp}.jsonl"

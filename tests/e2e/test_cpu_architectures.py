@@ -9,9 +9,10 @@ token-identical to the plugin held at k = 0 (the same graphs: the yardstick
 ``test_cpu_engine.py`` explains), every change passes the engine's audit, the KV the forward
 reads lies in the plugin's VMM ranges; and the same schedule with each offloaded layer
 copied in with its partner's weights changes the outputs, so the comparison can see a
-wrong layer in this family. One family runs its forced schedule with ``pin_homes``
-"first_raise" (each level's homes page-locked on its first entry, a no-op without CUDA but
-the same bookkeeping): the order the levels lock in must not change what is served.
+wrong layer in this family. The families run their forced schedule with ``pin_homes``
+"first_raise" (the default: each level's homes page-locked on its first entry, a no-op
+without CUDA but the same bookkeeping), one with "start" (all locked while packing): when
+the levels lock must not change what is served.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def test_forced_levels_are_token_identical_on_another_family(
     config = json.loads((model / "config.json").read_text())
     assert config["architectures"] == [architecture]
     held = run_engine("k0", model, tmp_path)
-    pin = "first_raise" if architecture == "Phi3ForCausalLM" else "start"
+    pin = "start" if architecture == "Phi3ForCausalLM" else "first_raise"
     forced = run_engine("forced", model, tmp_path, pin_homes=pin)
     assert len(forced["outputs"]) == 6 and all(len(o) == 24 for o in forced["outputs"])
     assert forced["outputs"] == held["outputs"]

@@ -155,7 +155,7 @@ def test_plugin_config_parses_and_refuses_unknown_keys() -> None:
     ):
         DynamicOffloadConfig.from_dict({"pin_homes": "lazy"})
     assert DynamicOffloadConfig.from_dict({"pin_homes": "first_raise"}).pin_homes == "first_raise"
-    assert DynamicOffloadConfig().pin_homes == "start"
+    assert DynamicOffloadConfig().pin_homes == "first_raise"
 
 
 def test_messages_survive_pickling() -> None:

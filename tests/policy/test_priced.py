@@ -429,3 +429,38 @@ def test_a_pressure_episode_outlasts_a_short_dip() -> None:
     for _ in range(config.cooldown_steps):
         policy.decide(calm)
     assert policy.episode == 0
+
+
+def test_a_levels_first_entry_is_priced_with_its_homes_lock() -> None:
+    """``pin_homes: "first_raise"``: a level's first entry waits for its two homes to be
+    page-locked (the calibration measures level 1's). A climb prices the locks of the
+    levels it enters for the first time, once: not level 1's, which the calibration
+    locked, and not again once a level has been entered."""
+    config = PolicyConfig()
+    cost = StepCost(17.0, 0.05, 0.1, ms_per_context_token=6.5e-5)
+    model = OffloadCostModel.from_step_cost(
+        LAYERS, LAYER_BYTES, 392e9, cost, piecewise_penalty_ms=1.37
+    )
+    policy = OffloadPolicy(
+        config, 4, lambda k: 6000 + PER_LEVEL * k, LatencyEstimator(config, model)
+    )
+    policy.switch.calibrate(5.0, 6.0, lock_ms=120.0)
+    policy.switch.observe(+1, 5.0)
+    policy.switch.observe(-1, 6.0)
+    mix = (StepShape(60, 0, 60 * 3000),) * 8
+
+    def step_ms(level: int) -> float:  # the price's denominator: C'_j / price
+        return (6000 + PER_LEVEL * level) / policy.priced(level, mix)  # type: ignore[operator]
+
+    unlocked = step_ms(4)
+    horizon = config.cooldown_steps
+    policy.switch.entered(4)
+    assert unlocked - step_ms(4) == pytest.approx(3 * 120.0 / horizon)  # levels 2, 3 and 4
+    policy.switch.entered(2)  # entering a lower level later locks nothing new
+    assert policy.switch.first_entry_ms(0, 4) == 0.0
+    fresh = OffloadPolicy(
+        config, 4, lambda k: 6000 + PER_LEVEL * k, LatencyEstimator(config, model)
+    )
+    fresh.switch.calibrate(5.0, 6.0, lock_ms=120.0)
+    assert fresh.switch.first_entry_ms(0, 1) == 0.0  # the calibration locked level 1
+    assert fresh.switch.first_entry_ms(1, 3) == 240.0

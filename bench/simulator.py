@@ -280,7 +280,8 @@ def stock_kv_blocks(machine: Machine, model: ServedModel, tp: int, utilization: 
 # Page-locked host memory costs device memory: the driver's page tables for it, 2 MiB per GiB
 # with 4 KiB host pages (``bench.pinned_cost``'s ``register_4k`` on the H100 and the H200,
 # ``bench/results/pinned_cost_h{100,200}.json``), taken by vLLM's profile from the KV cache
-# when the homes are locked before it (``pin_homes: "start"``, the default).
+# when the homes are locked before it (``pin_homes: "start"``; the default, "first_raise",
+# locks a level's homes at its first entry, after the profile).
 PAGE_TABLE_BYTES_PER_GIB = 2 * 2**20
 
 

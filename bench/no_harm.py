@@ -94,6 +94,16 @@ def compare(stock: dict[str, Any], plugin: dict[str, Any]) -> dict[str, Any]:
     if stock_blocks and plugin_blocks is not None:
         row["kv_blocks_level_0"] = {"stock": stock_blocks, "plugin": plugin_blocks}
         row["kv_blocks_ratio"] = round(plugin_blocks / stock_blocks, 4)
+    # A server that loaded its graph from vLLM's compile cache profiles less activation, so
+    # more KV, than one that compiled it (``bench.serve_bench.server_profile``): a pair whose
+    # graphs came different ways gives one side KV the other was not given.
+    graphs = {
+        system: (run.get("server_profile") or {}).get("graph")
+        for system, run in (("stock", stock), ("plugin", plugin))
+    }
+    if all(graphs.values()):
+        row["graphs"] = graphs
+        row["same_graph_source"] = graphs["stock"] == graphs["plugin"]
     for system, run in (("stock", stock), ("plugin", plugin)):  # did the point bind KV?
         peak = run.get("server_metrics", {}).get("peak")
         if peak:

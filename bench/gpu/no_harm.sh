@@ -12,14 +12,26 @@
 # SYSTEM: stock | plugin. REGIME a = gpu_memory_utilization 0.9, b = 0.62, or the fraction
 # itself (e.g. 0.85). TRACE-ARGS go to
 # bench.traces (shape first: poisson | bursty). Writes $OUT/<label>_<regime>_<workload>[_seed<S>]_<n>_<card>.json
-# per point and the server's log. The compile cache lives under /tmp/site, which survives between
-# calls on a warm machine, so a second server of the same system starts warm.
+# per point and the server's log.
+# Every server compiles its model's graph, in a vLLM cache of its own: a server that loads the
+# graph from vLLM's compile cache profiles less activation, so gets more KV, than one that
+# compiles it (1.48 against 1.61 GiB for Qwen3-32B on an H100, 28 blocks; stock and plugin
+# alike, bench.serve_bench.server_profile), so a stock / plugin pair compares like with like
+# only where both graphs came the same way (bench.no_harm reports `same_graph_source`).
+# COMPILE_CACHE=reuse shares one cache among the machine's servers and unpacks the carried
+# one (.stage/compile_cache, compile_cache.sh): ~40 s faster starts, for runs not compared.
 set -uo pipefail
 source bench/gpu/card.sh
 export PYTHONUNBUFFERED=1
-export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
-source bench/gpu/compile_cache.sh
-compile_cache_restore
+if [ "${COMPILE_CACHE:-fresh}" = reuse ]; then
+  export VLLM_CACHE_ROOT=/tmp/site/vllm-cache
+  source bench/gpu/compile_cache.sh
+  compile_cache_restore
+else
+  mkdir -p /tmp/site
+  VLLM_CACHE_ROOT=$(mktemp -d /tmp/site/vllm-cache-fresh.XXXXXX)
+  export VLLM_CACHE_ROOT
+fi
 system="$1"; model="$2"; regime="$3"; shift 3
 label="${LABEL:-$system}"
 case "$regime" in
@@ -52,5 +64,9 @@ python3 -m bench.serve_bench --system "$system" --model "/tmp/site/models/$model
   --gpu-memory-utilization "$util" "${points[@]}" "${extra[@]}" --log "$OUT/${label}_server.log"
 rc=$?
 grep -h "dynamic offload\|Available KV\|KV cache size\|Actual usage\|offloading" "$OUT/${label}_server.log" | cut -c1-400 | tail -30
-compile_cache_keep
+if [ "${COMPILE_CACHE:-fresh}" = reuse ]; then
+  compile_cache_keep
+else
+  rm -rf "$VLLM_CACHE_ROOT"
+fi
 exit $rc

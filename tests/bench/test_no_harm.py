@@ -51,6 +51,46 @@ def test_the_kv_each_serves_with_at_level_0_is_set_beside_the_ratios() -> None:
     assert row["misses"] == []  # reported, not bounded
 
 
+def test_a_pair_whose_graphs_came_different_ways_is_flagged() -> None:
+    """A server that loads its graph from vLLM's compile cache profiles less activation, so
+    more KV, than one that compiles it: the pin_homes pair on an H100 (stock loaded, the
+    plugin compiled) gave stock 28 blocks the plugin was not given. Read from each server's
+    log as the H100's servers wrote it."""
+    from bench.serve_bench import server_profile
+
+    loaded = (
+        "INFO 12-07 15:04:09 [backends.py:292] Directly load the compiled graph(s) for compile "
+        "range (1, 8192) from the cache, took 2.878 s\n"
+        "INFO 12-07 15:04:12 [gpu_worker.py:560] Available KV cache memory: 12.48 GiB\n"
+        "INFO 12-07 15:04:21 [gpu_worker.py:857] Free memory on device (78.66/79.18 GiB) on "
+        "startup. Desired GPU memory utilization is (0.95, 75.22 GiB). Actual usage is 61.03 "
+        "GiB for weight, 1.48 GiB for peak activation, 0.22 GiB for non-torch memory\n"
+    )
+    compiled = (
+        "INFO 12-07 15:11:39 [backends.py:393] Compiling a graph for compile range (1, 8192) "
+        "takes 17.48 s\n"
+        "INFO 12-07 15:11:51 [gpu_worker.py:560] Available KV cache memory: 12.21 GiB\n"
+        "Actual usage is 2.91 GiB for weight, 1.61 GiB for peak activation, 58.49 GiB\n"
+    )
+    assert server_profile(loaded) == {
+        "kv_GiB": 12.48,
+        "peak_activation_GiB": 1.48,
+        "graph": "loaded",
+    }
+    assert server_profile(compiled)["graph"] == "compiled"
+    assert server_profile(compiled)["peak_activation_GiB"] == 1.61
+    assert server_profile("INFO CPU KV cache")["graph"] is None  # vLLM's CPU build: unsaid
+    stock, plugin = run("stock", "GPU-a"), run("plugin", "GPU-a")
+    assert "same_graph_source" not in compare(stock, plugin)  # runs before the record
+    stock["server_profile"] = server_profile(loaded)
+    plugin["server_profile"] = server_profile(compiled)
+    row = compare(stock, plugin)
+    assert row["graphs"] == {"stock": "loaded", "plugin": "compiled"}
+    assert row["same_graph_source"] is False
+    stock["server_profile"] = server_profile(compiled)
+    assert compare(stock, plugin)["same_graph_source"] is True
+
+
 def test_the_rate_is_read_from_the_trace_arguments() -> None:
     assert rate_of({"trace": "bursty --lull-rate 3 --burst-rate 18 --cycles 2"}) == "3/18"
     assert rate_of({"trace": "poisson --workload longprompt --rate 2 --seconds 90"}) == 2.0

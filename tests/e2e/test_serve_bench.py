@@ -76,6 +76,8 @@ def test_both_servers_serve_every_request_of_the_trace(runs: dict[str, Path]) ->
     stock = json.loads(runs["stock"].read_text())
     assert not any(a.startswith("--worker-cls") for a in stock["server_command"])
     assert stock["server_kv_blocks"] > 0
+    for run in (stock, plugin):  # how vLLM's profile sized each (read from its log)
+        assert set(run["server_profile"]) == {"kv_GiB", "peak_activation_GiB", "graph"}
 
 
 def test_the_plugin_calibrates_decides_and_records_every_change(runs: dict[str, Path]) -> None:

@@ -31,6 +31,7 @@ else
   mkdir -p /tmp/site
   VLLM_CACHE_ROOT=$(mktemp -d /tmp/site/vllm-cache-fresh.XXXXXX)
   export VLLM_CACHE_ROOT
+  trap 'rm -rf "$VLLM_CACHE_ROOT"' EXIT  # gone however the script ends
 fi
 system="$1"; model="$2"; regime="$3"; shift 3
 label="${LABEL:-$system}"
@@ -64,9 +65,5 @@ python3 -m bench.serve_bench --system "$system" --model "/tmp/site/models/$model
   --gpu-memory-utilization "$util" "${points[@]}" "${extra[@]}" --log "$OUT/${label}_server.log"
 rc=$?
 grep -h "dynamic offload\|Available KV\|KV cache size\|Actual usage\|offloading" "$OUT/${label}_server.log" | cut -c1-400 | tail -30
-if [ "${COMPILE_CACHE:-fresh}" = reuse ]; then
-  compile_cache_keep
-else
-  rm -rf "$VLLM_CACHE_ROOT"
-fi
+[ "${COMPILE_CACHE:-fresh}" != reuse ] || compile_cache_keep
 exit $rc

@@ -25,7 +25,9 @@ And the issue's goals: the plugin with the CPU tier at least stock with it at ev
 (throughput), with a CV no larger, and its max sustainable rate against twice stock's.
 ``pairs`` holds, for every trace that both the plugin and stock ran (with the tier, and
 without it), the no-harm issue's ratios (plugin / stock, ``bench.no_harm.BOUNDS``) and the
-bounds they miss; ``goals.within_no_harm_bounds`` says whether every pair kept them.
+bounds they miss, with each side's KV at level 0, whether both ran on one GPU
+(``same_gpu``) and got their graphs the same way (``same_graph_source``);
+``goals.within_no_harm_bounds`` says whether every pair kept the bounds.
 """
 
 from __future__ import annotations
@@ -165,7 +167,9 @@ def report(paths: list[str], ttft_bound_ms: float = TTFT_BOUND_MS) -> dict[str, 
 def paired(runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
     """The plugin against stock on each trace both ran, with the tier and without it."""
     rows: list[dict[str, Any]] = []
-    kv = ("kv_blocks_level_0", "kv_blocks_ratio")  # unbounded, where the runs recorded them
+    # Unbounded, where the runs recorded them: each side's KV at level 0, and whether the
+    # two ran on one GPU and got their graphs the same way (a loaded graph is given more KV).
+    kv = ("kv_blocks_level_0", "kv_blocks_ratio", "graphs", "same_graph_source")
     for ours, theirs in (("plugin_kvoff", "stock_kvoff"), ("plugin", "stock")):
         traces = sorted(
             {t for s, t in runs if s == ours} & {t for s, t in runs if s == theirs},
@@ -181,6 +185,7 @@ def paired(runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
                     **{name: row[name] for name in BOUNDS},
                     "misses": row["misses"],
                     "levels_visited": row["levels_visited"],
+                    "same_gpu": row["same_gpu"],
                     **{key: row[key] for key in kv if key in row},
                 }
             )
@@ -272,7 +277,8 @@ def main() -> None:
     for row in result["pairs"]:
         ratios = ", ".join(f"{name.removesuffix('_ratio')} {row[name]}" for name in BOUNDS)
         misses = f"; misses {', '.join(row['misses'])}" if row["misses"] else ""
-        print(f"{row['systems']} at {row['trace']}: {ratios}{misses}")
+        apart = "; on two GPUs" if row["same_gpu"] is False else ""
+        print(f"{row['systems']} at {row['trace']}: {ratios}{misses}{apart}")
     print(f"goals: {result['goals']}")
 
 

@@ -198,8 +198,10 @@ class ServedModel:
 
 
 MACHINES = {
-    "h200": Machine(150.3e9, 4.8, 989.0, 55.3),
-    "h100": Machine(85.0e9, 3.35, 989.0, 55.3),  # 80 GB HBM3, PCIe Gen5
+    # The H200's and the H100's memory as their drivers report it to vLLM ("Free memory on
+    # device (139.29/139.8 GiB)", "(78.66/79.18 GiB)" in the servers' logs).
+    "h200": Machine(139.8 * GIB, 4.8, 989.0, 55.3),
+    "h100": Machine(79.18 * GIB, 3.35, 989.0, 55.3),  # 80 GB HBM3, PCIe Gen5
     "gh200": Machine(102.6e9, 4.0, 989.0, 392.0),  # 96 GB HBM3; NVLink-C2C as the seed measured
     "gb200": Machine(198.7e9, 8.0, 2250.0, 900.0),
 }
@@ -216,7 +218,13 @@ MODELS = {
 }
 # The reference every other (machine, model, TP) is scaled from: the H200's Qwen3-32B.
 REFERENCE = StepModel()
-RESERVED_BYTES = 2.1e9  # activations and CUDA graphs beside weights and KV (H200, Qwen3-32B)
+# What vLLM's profile takes beside the weights and the KV (Qwen3-32B, a compiled graph: 1.61
+# GiB of peak activation and 0.22 GiB of non-torch memory on the H200 and the H100 alike),
+# fitted to stock's 6,095 blocks at 0.62 on the H200. Held out: stock's 3,162 blocks at 0.95
+# and 1,135 at 0.85 on an H100 (3,163 and 1,136 here), Qwen3-8B's 46,306 at 0.85 on the H200
+# (46,298). (2.1e9 with the H200 at 150.3e9 bytes before 2026-12-07 fitted the H200's point
+# as well and put the H100's 32 blocks short: 3,130 at 0.95.)
+RESERVED_BYTES = 1.845 * GIB
 
 
 def scaled_step_model(

@@ -96,6 +96,9 @@ def test_each_trace_both_ran_is_a_pair_with_the_no_harm_ratios(tmp_path: Path) -
     plugin["client"]["median_tpot_ms"] = 30.3  # 1.01x: within its bound
     plugin["plugin"] = {"levels_visited": [0, 1, 0], "capacity_blocks_by_level": {"0": 3135}}
     stock["server_kv_blocks"] = 3162  # each system's KV at level 0 rides along, unbounded
+    stock["machine"], plugin["machine"] = {"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-b"}
+    stock["server_profile"] = {"graph": "loaded"}
+    plugin["server_profile"] = {"graph": "compiled"}
     alone = record("plugin", True, 3.0, 0, 2.5, 900.0)
     result = report(write_records(tmp_path, [stock, plugin, alone]))
     (pair,) = result["pairs"]
@@ -106,6 +109,9 @@ def test_each_trace_both_ran_is_a_pair_with_the_no_harm_ratios(tmp_path: Path) -
     assert pair["levels_visited"] == [0, 1, 0]
     assert pair["kv_blocks_level_0"] == {"stock": 3162, "plugin": 3135}
     assert pair["kv_blocks_ratio"] == 0.9915
+    # not like with like, and said so: two GPUs, one graph loaded from vLLM's compile cache
+    assert pair["same_gpu"] is False and pair["same_graph_source"] is False
+    assert pair["graphs"] == {"stock": "loaded", "plugin": "compiled"}
     assert result["goals"]["within_no_harm_bounds"] is False
 
 

@@ -169,7 +169,7 @@ def paired(runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     # Unbounded, where the runs recorded them: each side's KV at level 0, and whether the
     # two ran on one GPU and got their graphs the same way (a loaded graph is given more KV).
-    kv = ("kv_blocks_level_0", "kv_blocks_ratio", "graphs", "same_graph_source")
+    unbounded = ("kv_blocks_level_0", "kv_blocks_ratio", "graphs", "same_graph_source")
     for ours, theirs in (("plugin_kvoff", "stock_kvoff"), ("plugin", "stock")):
         traces = sorted(
             {t for s, t in runs if s == ours} & {t for s, t in runs if s == theirs},
@@ -186,7 +186,7 @@ def paired(runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
                     "misses": row["misses"],
                     "levels_visited": row["levels_visited"],
                     "same_gpu": row["same_gpu"],
-                    **{key: row[key] for key in kv if key in row},
+                    **{key: row[key] for key in unbounded if key in row},
                 }
             )
     return rows

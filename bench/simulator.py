@@ -1,8 +1,10 @@
 """A serving simulator made of vLLM's real scheduler (the fast-link issue, item 4; first
 version): vLLM's own ``AsyncScheduler`` (stock) or the plugin's ``DynamicOffloadScheduler``
 (its policy, its elastic pool over vLLM's ``BlockPool``) runs in process on the CPU against
-a simulated clock. Admission, chunked prefill, preemption and prefix caching are vLLM's own;
-only the model's forward is replaced, by a step-time model.
+a simulated clock. Admission, chunked prefill, preemption and prefix caching are vLLM's own,
+and so is the engine's loop (two steps in flight under async scheduling, as
+``EngineCore.step_with_batch_queue`` runs them); only the model's forward is replaced, by a
+step-time model.
 
     python -m bench.simulator --system plugin --trace trace.jsonl --out sim.json \\
         [--link-GBps 390] [--kv-blocks 6095] [--model tests/models/qwen3-32b]
@@ -29,6 +31,7 @@ the result gives vLLM's prefix-cache hit rates, GPU and CPU tier.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import statistics
@@ -393,6 +396,9 @@ def build_scheduler(args: argparse.Namespace, model: StepModel) -> Any:
         additional_config=extra,
     )
     cache.num_gpu_blocks = num_blocks
+    # As on a GPU (vLLM's CPU platform turns it off): two steps in flight, so with a KV
+    # connector a freed block waits for the steps that may still write it, as in serving.
+    vllm_config.scheduler_config.async_scheduling = getattr(args, "admission", "async") == "async"
     kv = per_layer_kv_cache_config(num_blocks, spec, model.num_layers)
     cls = DynamicOffloadScheduler if args.system == "plugin" else AsyncScheduler
     return cls(vllm_config, kv, StructuredOutputManager(vllm_config), block_size=16, log_stats=True)
@@ -518,6 +524,21 @@ class KVTierLink:
         return min(self.done_at.values(), default=None)
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchedStep:
+    """A step on the device: what was scheduled, when it ends, what it samples, and the
+    level, forward time, change stall and level command it runs with."""
+
+    out: Any
+    end: float
+    sampled: list[list[int]]
+    level: int
+    forward: float
+    stall: float
+    command: Any
+    shape: Any
+
+
 def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, Any]]) -> dict:
     """Serve ``trace`` (``{"t", "prompt_len", "output_len"}`` per request) on the simulated
     clock; returns the client's view (as ``vllm bench serve`` reports it) and the levels."""
@@ -562,18 +583,22 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
         scheduler.offload.use_clock(lambda: now)
     made: list[Any] = []  # every request, for its preemption count at the end
     peak_kv = 0.0
-    # vLLM's async scheduling (its default, and the plugin's: it subclasses AsyncScheduler)
-    # schedules step i+1 as soon as step i is on the device: a request that arrives while a
-    # step runs joins the step after next, not the next. ``in_flight`` is the start of the
-    # step on the device when the next one is scheduled (None: the engine was idle, and a
-    # request is scheduled the moment it arrives).
-    lag = getattr(args, "admission", "async") == "async"
-    in_flight: float | None = None
+    # vLLM's engine loop (``EngineCore.step_with_batch_queue``): under async scheduling (its
+    # default, and the plugin's: it subclasses AsyncScheduler) the engine keeps two steps in
+    # flight. It schedules step i+1 as soon as step i is launched, and reads step i's output
+    # only after that, so step i+1 is scheduled on a state that lacks step i's results: a
+    # request finishing in step i frees its blocks a step later, one arriving while step i
+    # runs joins step i+2, and with a KV connector a freed block waits for the steps that may
+    # still write it. ``now`` is the engine's clock (when it schedules), ``device_free`` when
+    # the device finishes the steps launched so far.
+    depth = 2 if getattr(args, "admission", "async") == "async" else 1
+    queue: collections.deque[LaunchedStep] = collections.deque()
+    device_free = 0.0
+    device_level = scheduler.offload.level if args.system == "plugin" else 0
     # Requests finished, in a terminal only (a run of a few thousand requests takes minutes).
     bar = tqdm(total=len(pending), desc=f"{args.system} (simulated)", unit="req", disable=None)
-    while nxt < len(pending) or scheduler.has_requests():
-        cutoff = now if in_flight is None else in_flight
-        while nxt < len(pending) and pending[nxt]["t"] <= cutoff:
+    while nxt < len(pending) or scheduler.has_requests() or queue:
+        while nxt < len(pending) and pending[nxt]["t"] <= now:  # the engine's input queue
             r = pending[nxt]
             request = make_request(nxt, r["prompt_len"], r["output_len"], r.get("hash_ids"))
             made.append(request)
@@ -581,80 +606,103 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             outputs[request.request_id] = r["output_len"]
             scheduler.add_request(request)
             nxt += 1
-        if not scheduler.has_requests():  # idle: the next request starts a step on arrival
-            now, in_flight = max(now, pending[nxt]["t"]), None
-            continue
-        tick = time.perf_counter()
-        out = scheduler.schedule()
-        host_s += time.perf_counter() - tick
-        peak_kv = max(peak_kv, scheduler.kv_cache_manager.usage)
-        command = getattr(out, "dynamic_offload", None)
-        level = scheduler.offload.level if args.system == "plugin" else 0
-        stall = 0.0
-        if command is not None:
-            up = command.target_level > level
-            stall = model.stall_up_ms if up else model.stall_down_ms
-            level = command.target_level
-            if level > entered:  # its homes page-locked first (first_raise), once
-                stall += model.lock_ms
-                entered = level
-        # The step as the worker reads it. Attention reads the context inside every layer, so
-        # it lengthens the compute that hides the copies (on the emulated link its HBM reads
-        # share the copy kernel's).
-        shape = StepShape.of(out)
-        decode, prefill, context = shape
-        pairs = prefill_pairs(out) if prefill and model.ms_per_prefill_pair else 0
-        forward = model.step_ms(cost, level, shape, pairs) if decode + prefill else 0.0
-        connector_output = None
-        if tier is not None:
-            copy_ms = 2 * level * model.layer_bytes / (model.link_GBps * 1e9) * 1e3
-            share = 1.0 - min(1.0, copy_ms / forward) if forward > 0 else 1.0
-            now = tier.submit(out.kv_connector_metadata, now, share)
-            if not out.num_scheduled_tokens:  # waiting on the tier's copies: skip ahead
-                idle_steps += 1
-                arrival_t = pending[nxt]["t"] if nxt < len(pending) else None
-                ahead = [t for t in (tier.next_done(), arrival_t) if t is not None]
-                now = max(now, min(ahead, default=now + 1e-3))
-        stalled = 0 if out.num_scheduled_tokens else stalled + 1
-        if stalled > MAX_IDLE_STEPS:
-            raise RuntimeError(
-                f"the simulation made no progress for {stalled} steps at t={now:.3f} s with "
-                f"{len(scheduler.running)} running and "
-                f"{len(scheduler.waiting) + len(scheduler.skipped_waiting)} waiting"
+        if scheduler.has_requests():
+            tick = time.perf_counter()
+            out = scheduler.schedule()
+            host_s += time.perf_counter() - tick
+            peak_kv = max(peak_kv, scheduler.kv_cache_manager.usage)
+            command = getattr(out, "dynamic_offload", None)
+            stall = 0.0
+            if command is not None:  # the worker changes level before this step's forward
+                up = command.target_level > device_level
+                stall = model.stall_up_ms if up else model.stall_down_ms
+                device_level = command.target_level
+                if device_level > entered:  # its homes page-locked first (first_raise), once
+                    stall += model.lock_ms
+                    entered = device_level
+            # The step as the worker reads it. Attention reads the context inside every
+            # layer, so it lengthens the compute that hides the copies (on the emulated link
+            # its HBM reads share the copy kernel's).
+            shape = StepShape.of(out)
+            decode, prefill, context = shape
+            pairs = prefill_pairs(out) if prefill and model.ms_per_prefill_pair else 0
+            forward = model.step_ms(cost, device_level, shape, pairs) if decode + prefill else 0.0
+            start = max(now, device_free)
+            if tier is not None:
+                copy_ms = 2 * device_level * model.layer_bytes / (model.link_GBps * 1e9) * 1e3
+                share = 1.0 - min(1.0, copy_ms / forward) if forward > 0 else 1.0
+                start = tier.submit(out.kv_connector_metadata, start, share)
+                if not out.num_scheduled_tokens and not any(
+                    s.out.num_scheduled_tokens for s in queue
+                ):
+                    # nothing runs: the engine polls the tier's copies until one lands
+                    idle_steps += 1
+                    arrival_t = pending[nxt]["t"] if nxt < len(pending) else None
+                    ahead = [t for t in (tier.next_done(), arrival_t) if t is not None]
+                    start = max(start, min(ahead, default=start + 1e-3))
+            stalled = 0 if out.num_scheduled_tokens else stalled + 1
+            if stalled > MAX_IDLE_STEPS:
+                raise RuntimeError(
+                    f"the simulation made no progress for {stalled} steps at t={now:.3f} s "
+                    f"with {len(scheduler.running)} running and "
+                    f"{len(scheduler.waiting) + len(scheduler.skipped_waiting)} waiting"
+                )
+            device_free = start + (forward + stall) / 1e3
+            req_ids = list(out.num_scheduled_tokens)
+            queue.appendleft(
+                LaunchedStep(
+                    out,
+                    device_free,
+                    # what the worker samples is fixed when the step is scheduled
+                    [[7] if samples(scheduler.requests[rid]) else [] for rid in req_ids],
+                    device_level,
+                    forward,
+                    stall,
+                    command,
+                    shape,
+                )
             )
-        in_flight = now if lag and out.num_scheduled_tokens else None
-        now += (forward + stall) / 1e3
-        if tier is not None:
-            connector_output = tier.collect(now)
+            if len(queue) < depth and scheduler.has_requests():
+                continue  # the queue is not full: schedule the next step at once
+        elif not queue:  # idle: the next request starts a step on arrival
+            now = max(now, pending[nxt]["t"])
+            continue
+        step = queue.pop()  # block on the oldest step in flight
+        now = max(now, step.end)
+        connector_output = tier.collect(now) if tier is not None else None
         steps += 1
+        out = step.out
         req_ids = list(out.num_scheduled_tokens)
-        sampled = [[7] if samples(scheduler.requests[rid]) else [] for rid in req_ids]
         result = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
+            sampled_token_ids=step.sampled,
             kv_connector_output=connector_output,
         )
         if args.system == "plugin":
             outcomes: tuple[ResizeOutcome, ...] = ()
+            command = step.command
             if command is not None:  # every tensor-parallel rank answers
                 outcomes = tuple(
-                    ResizeOutcome(command.command_id, r, True, remap_ms=stall, driver_ms=stall)
+                    ResizeOutcome(
+                        command.command_id, r, True, remap_ms=step.stall, driver_ms=step.stall
+                    )
                     for r in range(getattr(args, "tp", 1))
                 )
+            decode, prefill, context = step.shape
             result.dynamic_offload = StepReport(  # type: ignore[attr-defined]
                 steps,
-                level,
-                forward,
+                step.level,
+                step.forward,
                 decode,
                 prefill,
                 outcomes,
                 calibration=model.calibration() if steps == 1 else None,
                 last_command=command.command_id if command is not None else -1,
-                level_now=level,
+                level_now=step.level,
                 num_context_tokens=context,
             )
-        for rid, tokens in zip(req_ids, sampled, strict=True):
+        for rid, tokens in zip(req_ids, step.sampled, strict=True):
             if tokens and rid not in first:
                 first[rid] = now
         tick = time.perf_counter()
@@ -1194,8 +1242,10 @@ def main() -> None:
         "--admission",
         choices=["async", "sync"],
         default="async",
-        help="async (vLLM's default scheduling, stock's and the plugin's): a request arriving "
-        "while a step runs joins the step after next; sync: the next step",
+        help="async (vLLM's default scheduling, stock's and the plugin's): the engine keeps "
+        "two steps in flight, so a request arriving while a step runs joins the step after "
+        "next and a step's results (finished requests' blocks among them) reach the "
+        "scheduler a step late; sync: one step at a time",
     )
     parser.add_argument(
         "--ms-per-prefill-token",

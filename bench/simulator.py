@@ -591,7 +591,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
     # runs joins step i+2, and with a KV connector a freed block waits for the steps that may
     # still write it. ``now`` is the engine's clock (when it schedules), ``device_free`` when
     # the device finishes the steps launched so far.
-    depth = 2 if getattr(args, "admission", "async") == "async" else 1
+    depth = scheduler.vllm_config.max_concurrent_batches  # 2 under async scheduling, else 1
     queue: collections.deque[LaunchedStep] = collections.deque()
     device_free = 0.0
     device_level = scheduler.offload.level if args.system == "plugin" else 0

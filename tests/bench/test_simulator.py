@@ -28,6 +28,31 @@ def trace(tmp_path: Path, *args: str) -> list[dict]:
     return read_trace(str(out))
 
 
+def sim_args(
+    system: str,
+    link: float = 55.3,
+    kv_blocks: int = 6095,
+    kv_offloading_size: float | None = None,
+    plugin_config: str = "{}",
+    admission: str = "async",
+    tier_load_GBps: float | None = None,
+    max_level: int = 8,
+) -> argparse.Namespace:
+    return argparse.Namespace(
+        system=system,
+        admission=admission,
+        model=str(ROOT / "tests/models/qwen3-32b"),
+        kv_blocks=kv_blocks,
+        max_level=max_level,
+        link_GBps=link,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        plugin_config=plugin_config,
+        kv_offloading_size=kv_offloading_size,
+        tier_load_GBps=tier_load_GBps,
+    )
+
+
 def run(
     system: str,
     requests: list[dict],
@@ -40,18 +65,15 @@ def run(
     tier_load_GBps: float | None = None,
     max_level: int = 8,
 ) -> dict:
-    args = argparse.Namespace(
-        system=system,
-        admission=admission,
-        model=str(ROOT / "tests/models/qwen3-32b"),
-        kv_blocks=kv_blocks,
-        max_level=max_level,
-        link_GBps=link,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        plugin_config=plugin_config,
-        kv_offloading_size=kv_offloading_size,
-        tier_load_GBps=tier_load_GBps,
+    args = sim_args(
+        system,
+        link,
+        kv_blocks,
+        kv_offloading_size,
+        plugin_config,
+        admission,
+        tier_load_GBps,
+        max_level,
     )
     return simulate(args, model or StepModel(link_GBps=link), requests)
 
@@ -83,22 +105,13 @@ def test_two_steps_in_flight_free_a_finished_requests_blocks_a_step_late(tmp_pat
     waits for the steps that may still write it: a KV at doc QA's preemption threshold runs
     dry more often than one step at a time would make it (the H100's stock + tier preempted
     24-622 times where the one-step simulation gave 4-12)."""
-    from bench.simulator import StepModel, build_scheduler
+    from bench.simulator import build_scheduler
 
-    args = argparse.Namespace(
-        system="stock",
-        model=str(ROOT / "tests/models/qwen3-32b"),
-        kv_blocks=800,
-        max_level=8,
-        max_num_seqs=1024,
-        max_num_batched_tokens=8192,
-        plugin_config="{}",
-        kv_offloading_size=32,
-    )
-    scheduler = build_scheduler(args, StepModel())
+    tiered = sim_args("stock", kv_blocks=800, kv_offloading_size=32)
+    scheduler = build_scheduler(tiered, StepModel())
     assert scheduler.vllm_config.max_concurrent_batches == 2 and scheduler.defer_block_free
-    args.admission = "sync"
-    assert not build_scheduler(args, StepModel()).defer_block_free
+    tiered.admission = "sync"
+    assert not build_scheduler(tiered, StepModel()).defer_block_free
     requests = trace(tmp_path, "poisson", "--workload", "docqa", "--rate", "3", "--seconds", "15")
     two = run("stock", requests, kv_blocks=800, kv_offloading_size=32)
     one = run("stock", requests, kv_blocks=800, kv_offloading_size=32, admission="sync")

@@ -31,6 +31,7 @@ the result gives vLLM's prefix-cache hit rates, GPU and CPU tier.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import dataclasses
 import json
@@ -462,11 +463,12 @@ class KVTierLink:
     to the host, loads move them back, each direction a queue at the host link's bandwidth.
     Loads share the host-to-GPU direction with the plugin's weight copies, which take
     ``2k`` layers a step at level k (one in, one back): a load moves at the share they
-    leave. A store the scheduler asks to flush (its block handed out again) is waited for
-    before the step runs, as the worker does. The connector's copies may move slower than
-    the link (``--tier-load-GBps``, ``--tier-store-GBps``): vLLM's own transfer metrics
-    gave loads of 35-42 GB/s on an H100's 55 GB/s link under stock's per-layer KV tensors
-    and 54 GB/s under the plugin's packed layout."""
+    leave. The worker starts a step's loads when it launches the step, its stores after the
+    step's forward, and one the scheduler asks to flush (its block handed out again) before
+    the step runs; it reports what has landed when it has launched a step. The connector's
+    copies may move slower than the link (``--tier-load-GBps``, ``--tier-store-GBps``):
+    vLLM's own transfer metrics gave loads of 35-42 GB/s on an H100's 55 GB/s link under
+    stock's per-layer KV tensors and 54 GB/s under the plugin's packed layout."""
 
     MIN_SHARE = 0.05  # the copy engines interleave: a load never stops outright
 
@@ -478,31 +480,51 @@ class KVTierLink:
         self.d2h_free = 0.0
         self.done_at: dict[int, float] = {}  # job id -> when it completes
         self.loads: dict[int, str] = {}  # load job id -> its request
+        self.landed: dict[str, float] = {}  # request -> when its loads land
         self.loaded_blocks = 0
         self.stored_blocks = 0
 
-    def submit(self, meta: Any, now: float, h2d_share: float) -> float:
-        """Queue the step's jobs; returns when the step may start (its flushes done)."""
-        for job_id, job in meta.store_jobs.items():
-            blocks = len(job.src_spec.block_ids)
-            self.d2h_free = (
-                max(self.d2h_free, now) + blocks * self.block_bytes / self.store_bytes_per_s
-            )
-            self.done_at[job_id] = self.d2h_free
-            self.stored_blocks += blocks
+    def _store(self, job_id: int, job: Any, after: float) -> None:
+        blocks = len(job.src_spec.block_ids)
+        seconds = blocks * self.block_bytes / self.store_bytes_per_s
+        self.d2h_free = max(self.d2h_free, after) + seconds
+        self.done_at[job_id] = self.d2h_free
+        self.stored_blocks += blocks
+
+    def submit(self, meta: Any, launch: float, start: float, h2d_share: float) -> float:
+        """Queue a step's loads and the stores it flushes, as the worker does when the
+        engine launches the step at ``launch`` (its forward starts on the device at
+        ``start``, once the steps before it are done). A load runs on its own stream from
+        its submission; a store the scheduler asks to flush (its block handed out again) is
+        submitted then, behind the steps before it, and waited for on the host. Returns when
+        the flushes are done (``launch`` where there are none)."""
+        flush = set(meta.jobs_to_flush or ())
+        for job_id in flush & meta.store_jobs.keys():
+            self._store(job_id, meta.store_jobs[job_id], start)
         share = max(h2d_share, self.MIN_SHARE)
         for job_id, job in meta.load_jobs.items():
             blocks = len(job.dst_spec.block_ids)
             seconds = blocks * self.block_bytes / (self.load_bytes_per_s * share)
-            self.h2d_free = max(self.h2d_free, now) + seconds
+            self.h2d_free = max(self.h2d_free, launch) + seconds
             self.done_at[job_id] = self.h2d_free
             self.loads[job_id] = job.req_id
+            self.landed[job.req_id] = self.h2d_free
             self.loaded_blocks += blocks
-        flushed = [self.done_at[j] for j in meta.jobs_to_flush or () if j in self.done_at]
-        return max([now, *flushed])
+        return max([launch, *(self.done_at[j] for j in flush if j in self.done_at)])
+
+    def defer_stores(self, meta: Any, after: float) -> None:
+        """The step's other stores: the worker defers them to the next step's launch, where
+        they wait for the compute stream, so they start once this step's forward (ending at
+        ``after``) is done."""
+        flush = set(meta.jobs_to_flush or ())
+        for job_id, job in meta.store_jobs.items():
+            if job_id not in flush:
+                self._store(job_id, job, after)
 
     def collect(self, now: float) -> Any:
-        """The connector's output for the jobs complete by ``now`` (None: none)."""
+        """The connector's output for the jobs complete by ``now`` (None: none). The worker
+        polls its copies when it has launched a step (``get_finished`` after the forward is
+        enqueued, not done), so a step's output carries what had landed by its launch."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
             OffloadingWorkerMetadata,
         )
@@ -537,6 +559,7 @@ class LaunchedStep:
     stall: float
     command: Any
     shape: Any
+    connector_output: Any  # the CPU tier's copies landed by the step's launch
 
 
 def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, Any]]) -> dict:
@@ -570,6 +593,10 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             getattr(args, "tier_store_GBps", None) or model.link_GBps,
         )
     idle_steps = 0  # steps that scheduled nothing while the CPU tier's copies ran
+    launches: list[float] = []  # when the worker launched each step (and polled the tier)
+    # a request loaded from the CPU tier: how many launches from its load's landing to the
+    # one that schedules it (the first polls the load, the next reads it in the output)
+    after_load: collections.Counter[int] = collections.Counter()
     host_s = 0.0  # wall time in the scheduler's schedule() and update_from_output()
     stalled = 0  # consecutive steps that scheduled nothing
     counters = PrefixCounters()
@@ -628,10 +655,12 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             pairs = prefill_pairs(out) if prefill and model.ms_per_prefill_pair else 0
             forward = model.step_ms(cost, device_level, shape, pairs) if decode + prefill else 0.0
             start = max(now, device_free)
+            poll = now  # when the worker polls the tier's copies: once it has launched the step
             if tier is not None:
                 copy_ms = 2 * device_level * model.layer_bytes / (model.link_GBps * 1e9) * 1e3
                 share = 1.0 - min(1.0, copy_ms / forward) if forward > 0 else 1.0
-                start = tier.submit(out.kv_connector_metadata, start, share)
+                flushed = tier.submit(out.kv_connector_metadata, now, start, share)
+                start, poll = max(start, flushed), max(now, flushed)
                 if not out.num_scheduled_tokens and not any(
                     s.out.num_scheduled_tokens for s in queue
                 ):
@@ -639,7 +668,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
                     idle_steps += 1
                     arrival_t = pending[nxt]["t"] if nxt < len(pending) else None
                     ahead = [t for t in (tier.next_done(), arrival_t) if t is not None]
-                    start = max(start, min(ahead, default=start + 1e-3))
+                    start = poll = max(start, min(ahead, default=start + 1e-3))
             stalled = 0 if out.num_scheduled_tokens else stalled + 1
             if stalled > MAX_IDLE_STEPS:
                 raise RuntimeError(
@@ -648,6 +677,15 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
                     f"{len(scheduler.waiting) + len(scheduler.skipped_waiting)} waiting"
                 )
             device_free = start + (forward + stall) / 1e3
+            connector_output = None
+            if tier is not None:
+                tier.defer_stores(out.kv_connector_metadata, device_free)
+                connector_output = tier.collect(poll)
+                launches.append(max(poll, launches[-1] if launches else poll))
+                for rid in out.num_scheduled_tokens:
+                    if rid in tier.landed:
+                        landed = tier.landed.pop(rid)
+                        after_load[len(launches) - bisect.bisect_left(launches, landed)] += 1
             req_ids = list(out.num_scheduled_tokens)
             queue.appendleft(
                 LaunchedStep(
@@ -660,6 +698,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
                     stall,
                     command,
                     shape,
+                    connector_output,
                 )
             )
             if len(queue) < depth and scheduler.has_requests():
@@ -669,7 +708,6 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             continue
         step = queue.pop()  # block on the oldest step in flight
         now = max(now, step.end)
-        connector_output = tier.collect(now) if tier is not None else None
         steps += 1
         out = step.out
         req_ids = list(out.num_scheduled_tokens)
@@ -677,7 +715,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=step.sampled,
-            kv_connector_output=connector_output,
+            kv_connector_output=step.connector_output,
         )
         if args.system == "plugin":
             outcomes: tuple[ResizeOutcome, ...] = ()
@@ -732,6 +770,7 @@ def simulate(args: argparse.Namespace, model: StepModel, trace: list[dict[str, A
             "blocks_loaded": tier.loaded_blocks,
             "blocks_stored": tier.stored_blocks,
             "idle_steps": idle_steps,
+            "launches_from_load_to_schedule": dict(sorted(after_load.items())),
         }
     return summary
 

@@ -438,11 +438,11 @@ def samples(request: Any) -> bool:
 
 
 def context_read(scheduler: Any, out: Any, block_size: int = 16) -> int:
-    """The KV tokens a step's attention reads from HBM for its decode requests: each cached
-    block once, however many of them attend to it. Requests that share a prefix (doc QA's
-    documents) share its blocks through vLLM's prefix cache, and a layer's shared blocks are
-    read by the step's requests together, so all but the first read are served from L2.
-    The H100's doc-QA decode steps (2026-12-07, level 0): 25.3 ms at 1-4 requests, 29.0 ms
+    """The KV tokens a step's attention would read from HBM for its decode requests if each
+    cached block came from HBM once, however many of them attend to it (``--kv-reads
+    per-block``). Requests that share a prefix (doc QA's documents) share its blocks through
+    vLLM's prefix cache, and a layer's shared blocks may be served from L2 after the first
+    read. The H100's doc-QA decode steps (2026-12-07, level 0): 25.3 ms at 1-4 requests, 29.0 ms
     at 13-16 and 30.7 ms at 17-32, flat where 4,200 more tokens a request, read apiece,
     would add 1.5 ms each; priced apiece the model was 4-14% slow past 12 requests, priced
     so it makes them fast (``--kv-reads per-block``: the truth lies between)."""

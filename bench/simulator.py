@@ -437,7 +437,7 @@ def samples(request: Any) -> bool:
     return bool(request.num_computed_tokens >= request.num_tokens)
 
 
-def context_read(scheduler: Any, out: Any, block_size: int = 16) -> int:
+def context_read(scheduler: Any, out: Any) -> int:
     """The KV tokens a step's attention would read from HBM for its decode requests if each
     cached block came from HBM once, however many of them attend to it (``--kv-reads
     per-block``). Requests that share a prefix (doc QA's documents) share its blocks through
@@ -446,15 +446,12 @@ def context_read(scheduler: Any, out: Any, block_size: int = 16) -> int:
     at 13-16 and 30.7 ms at 17-32, flat where 4,200 more tokens a request, read apiece,
     would add 1.5 ms each; priced apiece the model was 4-14% slow past 12 requests, priced
     so it makes them fast (``--kv-reads per-block``: the truth lies between)."""
-    computed: dict[str, int] = {
-        new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs
-    }
-    cached = out.scheduled_cached_reqs
-    computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    from dynoff.policy.latency import decode_contexts
+
+    block_size = scheduler.block_size
     blocks: dict[int, int] = {}  # block -> the tokens of it read
-    for rid, num in out.num_scheduled_tokens.items():
-        tokens = computed.get(rid, 0)
-        if num != 1 or not tokens:
+    for rid, tokens in decode_contexts(out).items():
+        if not tokens:
             continue
         ids = scheduler.kv_cache_manager.get_block_ids(rid)[0]
         full, last = divmod(tokens, block_size)

@@ -72,18 +72,26 @@ class StepShape(NamedTuple):
                 decode += 1
             else:
                 prefill += num
-        context = sum(
-            new.num_computed_tokens
-            for new in scheduler_output.scheduled_new_reqs
-            if scheduled.get(new.req_id) == 1
-        )
-        cached = scheduler_output.scheduled_cached_reqs
-        context += sum(
-            computed
-            for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
-            if scheduled.get(req_id) == 1
-        )
-        return cls(decode, prefill, context)
+        return cls(decode, prefill, sum(decode_contexts(scheduler_output).values()))
+
+
+def decode_contexts(scheduler_output: Any) -> dict[str, int]:
+    """The tokens each one-token (decoding) request of a ``SchedulerOutput`` has computed
+    before the step, which its attention reads (the new and cached request data carry the
+    count)."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    contexts = {
+        new.req_id: new.num_computed_tokens
+        for new in scheduler_output.scheduled_new_reqs
+        if scheduled.get(new.req_id) == 1
+    }
+    cached = scheduler_output.scheduled_cached_reqs
+    contexts.update(
+        (req_id, computed)
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+        if scheduled.get(req_id) == 1
+    )
+    return contexts
 
 
 def prefill_pairs(scheduler_output: Any) -> int:
